@@ -1,0 +1,291 @@
+"""EndpointPickerConfig: parse and validate the YAML, then build the scheduler. Pure.
+
+The format is the reference EPP's (`apiVersion: inference.networking.x-k8s.io/v1alpha1`,
+`kind: EndpointPickerConfig`, `plugins`, `schedulingProfiles`, `saturationDetector`), plus
+our own optional sections (`endpoints`, `objectives`). Every error is a `ConfigError` naming
+the file, the plugin (or section) and the field, raised at startup.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import random
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import yaml
+
+from epp.clock import Clock
+from epp.durations import parse_duration
+from epp.scheduling.framework import Filter, Picker, PluginHandle, ProfileHandler, Scorer
+from epp.scheduling.plugins.max_score_picker import MaxScorePicker
+from epp.scheduling.plugins.single_profile_handler import SingleProfileHandler
+from epp.scheduling.profile import NamedFilter, SchedulerProfile, WeightedScorer
+from epp.scheduling.registry import PluginParamsError, PluginRegistry
+from epp.scheduling.saturation import SaturationDetector
+from epp.scheduling.scheduler import Scheduler
+
+API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1",)
+KIND = "EndpointPickerConfig"
+
+
+class ConfigError(ValueError):
+    def __init__(self, source: str, where: str, field: str, message: str) -> None:
+        self.source = source
+        self.where = where
+        self.field = field
+        self.message = message
+        loc = f"{source}: {where}" if where else source
+        if field:
+            loc += f": field {field!r}"
+        super().__init__(f"{loc}: {message}")
+
+
+class _Struct(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    pass
+
+
+class PluginEntry(_Struct):
+    type: str
+    name: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ProfilePluginRef(_Struct):
+    plugin_ref: str
+    weight: float | None = None
+
+
+class ProfileEntry(_Struct):
+    name: str
+    plugins: list[ProfilePluginRef] = []
+
+
+class SaturationEntry(_Struct):
+    queue_depth_threshold: int = 5
+    kv_cache_util_threshold: float = 0.8
+    metrics_staleness_threshold: str | float = "200ms"
+
+
+class EndpointEntry(_Struct):
+    address: str
+    model: str | None = None
+
+
+class ObjectiveEntry(_Struct):
+    name: str
+    priority: int = 0
+
+
+class ConfigDoc(_Struct):
+    api_version: str
+    kind: str
+    plugins: list[PluginEntry] = []
+    scheduling_profiles: list[ProfileEntry] = []
+    saturation_detector: SaturationEntry | None = None
+    endpoints: list[str | EndpointEntry] = []
+    objectives: list[ObjectiveEntry] = []
+    feature_gates: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class StaticEndpoint:
+    address: str
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EppConfig:
+    source: str
+    doc: ConfigDoc
+    endpoints: tuple[StaticEndpoint, ...]
+    objectives: Mapping[str, int]
+    saturation: SaturationDetector
+
+
+DEFAULT_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: metrics-staleness-filter
+  parameters: {maxAge: 2s}
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-request-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: metrics-staleness-filter
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: active-request-scorer, weight: 1}
+  - pluginRef: max-score-picker
+"""
+
+_MSGSPEC_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+
+
+def _split_msgspec(err: msgspec.ValidationError) -> tuple[str, str]:
+    """(where, field) from msgspec's 'message - at `$.a[0].b`'."""
+    text = str(err)
+    m = _MSGSPEC_AT.match(text)
+    path = (m.group(2) or "") if m else ""
+    unknown = _UNKNOWN.search(text)
+    field = unknown.group(1) if unknown else path.rsplit(".", 1)[-1] if path else ""
+    return path.lstrip("."), field
+
+
+def parse_endpoint_address(address: str) -> str:
+    """Normalise `ip:port` (IPv6 as `[addr]:port`); ValueError on anything else."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint {address!r} is not ip:port")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise ValueError(f"endpoint {address!r}: {host!r} is not an IP address") from None
+    if ip.version == 6:
+        return f"[{ip}]:{int(port)}"
+    return f"{ip}:{int(port)}"
+
+
+def parse_config(text: str, source: str = "<config>") -> EppConfig:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(source, "", "", f"not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "", "", "the config must be a YAML mapping")
+    try:
+        doc = msgspec.convert(raw, ConfigDoc, strict=True)
+    except msgspec.ValidationError as err:
+        where, field = _split_msgspec(err)
+        raise ConfigError(source, where, field, str(err).split(" - at ")[0]) from None
+    if doc.api_version not in API_VERSIONS:
+        raise ConfigError(source, "", "apiVersion", f"unsupported apiVersion {doc.api_version!r}")
+    if doc.kind != KIND:
+        raise ConfigError(source, "", "kind", f"kind must be {KIND!r}, got {doc.kind!r}")
+    endpoints = []
+    for i, e in enumerate(doc.endpoints):
+        entry = EndpointEntry(address=e) if isinstance(e, str) else e
+        try:
+            endpoints.append(StaticEndpoint(parse_endpoint_address(entry.address), entry.model))
+        except ValueError as err:
+            raise ConfigError(source, f"endpoints[{i}]", "address", str(err)) from None
+    objectives: dict[str, int] = {}
+    for o in doc.objectives:
+        if o.name in objectives:
+            raise ConfigError(source, f"objective {o.name!r}", "name", "duplicate objective")
+        objectives[o.name] = o.priority
+    sat = doc.saturation_detector or SaturationEntry()
+    try:
+        staleness = parse_duration(sat.metrics_staleness_threshold)
+    except ValueError as err:
+        raise ConfigError(source, "saturationDetector", "metricsStalenessThreshold", str(err)) from None
+    if not 0.0 <= sat.kv_cache_util_threshold <= 1.0:
+        raise ConfigError(source, "saturationDetector", "kvCacheUtilThreshold", "must be in [0, 1]")
+    if sat.queue_depth_threshold < 0:
+        raise ConfigError(source, "saturationDetector", "queueDepthThreshold", "must be >= 0")
+    saturation = SaturationDetector(sat.queue_depth_threshold, sat.kv_cache_util_threshold, staleness)
+    return EppConfig(source, doc, tuple(endpoints), objectives, saturation)
+
+
+def load_config(path: str) -> EppConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise ConfigError(path, "", "", f"cannot read config file: {err.strerror}") from None
+    return parse_config(text, path)
+
+
+def default_config() -> EppConfig:
+    return parse_config(DEFAULT_CONFIG_YAML, "<built-in default config>")
+
+
+def build_scheduler(
+    config: EppConfig,
+    registry: PluginRegistry,
+    clock: Clock,
+    rng: random.Random,
+    timer: Clock | None = None,
+    services: Mapping[str, Any] | None = None,
+) -> Scheduler:
+    """Instantiate every plugin (validating parameters) and assemble the profiles."""
+    src = config.source
+    handle = PluginHandle(clock=clock, rng=rng, services=dict(services or {}))
+    built: dict[str, tuple[str, Any]] = {}
+    kinds: dict[str, str] = {}
+    handler: ProfileHandler | None = None
+    for i, entry in enumerate(config.doc.plugins):
+        name = entry.name or entry.type
+        where = f"plugin {name!r} (plugins[{i}], type {entry.type!r})"
+        if name in built:
+            raise ConfigError(src, where, "name", "duplicate plugin name")
+        try:
+            kind, plugin = registry.create(entry.type, name, entry.parameters, handle)
+        except PluginParamsError as err:
+            field = err.field if err.field in ("type", "parameters") else f"parameters.{err.field}"
+            raise ConfigError(src, where, field if err.field else "parameters", err.message) from None
+        built[name] = (entry.type, plugin)
+        kinds[name] = kind
+        if kind == "profile-handler":
+            if handler is not None:
+                raise ConfigError(src, where, "type", "only one profile handler may be configured")
+            handler = plugin
+    if not config.doc.scheduling_profiles:
+        raise ConfigError(src, "schedulingProfiles", "", "at least one scheduling profile is required")
+    profiles: dict[str, SchedulerProfile] = {}
+    for profile in config.doc.scheduling_profiles:
+        if profile.name in profiles:
+            raise ConfigError(src, f"profile {profile.name!r}", "name", "duplicate profile name")
+        profiles[profile.name] = _build_profile(src, profile, built, kinds)
+    if handler is None:
+        if len(profiles) > 1:
+            raise ConfigError(
+                src, "schedulingProfiles", "", "several profiles need a profile-handler plugin"
+            )
+        handler = SingleProfileHandler("single-profile-handler")
+    return Scheduler(profiles, handler, clock, rng, config.saturation, timer)
+
+
+def _build_profile(
+    src: str, profile: ProfileEntry, built: Mapping[str, tuple[str, Any]], kinds: Mapping[str, str]
+) -> SchedulerProfile:
+    filters: list[NamedFilter] = []
+    scorers: list[WeightedScorer] = []
+    picker: tuple[str, Picker] | None = None
+    for ref in profile.plugins:
+        where = f"profile {profile.name!r}: plugin {ref.plugin_ref!r}"
+        if ref.plugin_ref not in built:
+            raise ConfigError(src, where, "pluginRef", "no plugin of that name is declared under plugins")
+        type_name, plugin = built[ref.plugin_ref]
+        kind = kinds[ref.plugin_ref]
+        if kind != "scorer" and ref.weight is not None:
+            raise ConfigError(src, where, "weight", f"only scorers take a weight ({type_name} is a {kind})")
+        if kind == "scorer":
+            weight = 1.0 if ref.weight is None else float(ref.weight)
+            if not math.isfinite(weight) or weight < 0:
+                raise ConfigError(src, where, "weight", f"weight must be a finite number >= 0, got {ref.weight}")
+            assert isinstance(plugin, Scorer)
+            scorers.append(WeightedScorer(plugin, weight, type_name))
+        elif kind == "filter":
+            assert isinstance(plugin, Filter)
+            filters.append(NamedFilter(plugin, type_name))
+        elif kind == "picker":
+            if picker is not None:
+                raise ConfigError(src, where, "pluginRef", "a profile takes exactly one picker")
+            assert isinstance(plugin, Picker)
+            picker = (type_name, plugin)
+        else:
+            raise ConfigError(src, where, "pluginRef", f"a {kind} cannot be part of a profile")
+    if picker is None:
+        picker = ("max-score-picker", MaxScorePicker("max-score-picker", 1))
+    return SchedulerProfile(profile.name, filters, scorers, picker[1], picker[0])

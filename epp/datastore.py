@@ -1,0 +1,165 @@
+"""The EPP's view of its endpoints: membership, latest metrics, health and in-flight work.
+
+Plain synchronous code with a single writer (the server's event loop, or the simulator).
+Scheduling reads immutable `Endpoint` views, rebuilt only when a record changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from epp.clock import Clock
+from epp.types import Endpoint, EndpointId, MetricsSnapshot
+
+
+@dataclass(slots=True)
+class EndpointRecord:
+    id: EndpointId
+    model: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    metrics: MetricsSnapshot | None = None
+    healthy: bool = True
+    scrape_failures: int = 0
+    last_error: str | None = None
+    in_flight_requests: int = 0
+    in_flight_prompt_tokens: int = 0
+    added_at: float = 0.0
+    _view: Endpoint | None = None
+
+    def view(self) -> Endpoint:
+        if self._view is None:
+            self._view = Endpoint(
+                id=self.id,
+                metrics=self.metrics,
+                healthy=self.healthy,
+                in_flight_requests=self.in_flight_requests,
+                in_flight_prompt_tokens=self.in_flight_prompt_tokens,
+                model=self.model,
+                labels=self.labels,
+            )
+        return self._view
+
+    def touch(self) -> None:
+        self._view = None
+
+
+@dataclass(slots=True)
+class Ticket:
+    """In-flight accounting for one routed request; release it exactly once (idempotent)."""
+
+    endpoint: EndpointId
+    prompt_tokens: int
+    started_at: float
+    released: bool = False
+
+
+class Datastore:
+    def __init__(self, clock: Clock, unhealthy_after_failures: int = 3) -> None:
+        if unhealthy_after_failures < 1:
+            raise ValueError("unhealthy_after_failures must be >= 1")
+        self.clock = clock
+        self.unhealthy_after_failures = unhealthy_after_failures
+        self._records: dict[EndpointId, EndpointRecord] = {}
+        self._healthy_views: list[Endpoint] | None = None
+
+    # -- membership -------------------------------------------------------------------
+    def add_endpoint(
+        self, endpoint_id: EndpointId, model: str | None = None, labels: Mapping[str, str] | None = None
+    ) -> bool:
+        """Returns False if it was already known (its model/labels are updated)."""
+        rec = self._records.get(endpoint_id)
+        if rec is not None:
+            rec.model = model
+            rec.labels = dict(labels or {})
+            self._changed(rec)
+            return False
+        self._records[endpoint_id] = EndpointRecord(
+            endpoint_id, model, dict(labels or {}), added_at=self.clock.now()
+        )
+        self._healthy_views = None
+        return True
+
+    def remove_endpoint(self, endpoint_id: EndpointId) -> bool:
+        removed = self._records.pop(endpoint_id, None) is not None
+        self._healthy_views = None
+        return removed
+
+    def set_endpoints(self, endpoints: Iterable[tuple[EndpointId, str | None]]) -> tuple[set[str], set[str]]:
+        """Make the set exactly `endpoints`; returns (added, removed)."""
+        wanted = dict(endpoints)
+        removed = set(self._records) - set(wanted)
+        for ep in removed:
+            self.remove_endpoint(ep)
+        added = {ep for ep, model in wanted.items() if self.add_endpoint(ep, model)}
+        return added, removed
+
+    def ids(self) -> list[EndpointId]:
+        return list(self._records)
+
+    def get(self, endpoint_id: EndpointId) -> EndpointRecord | None:
+        return self._records.get(endpoint_id)
+
+    def records(self) -> list[EndpointRecord]:
+        return list(self._records.values())
+
+    # -- metrics and health -------------------------------------------------------------
+    def record_metrics(self, endpoint_id: EndpointId, snapshot: MetricsSnapshot) -> None:
+        rec = self._records.get(endpoint_id)
+        if rec is None:
+            return
+        rec.metrics = snapshot
+        rec.scrape_failures = 0
+        rec.last_error = None
+        rec.healthy = True
+        self._changed(rec)
+
+    def record_scrape_failure(self, endpoint_id: EndpointId, error: str) -> bool:
+        """Count a failed scrape; returns True when this failure made the endpoint unhealthy."""
+        rec = self._records.get(endpoint_id)
+        if rec is None:
+            return False
+        rec.scrape_failures += 1
+        rec.last_error = error
+        if rec.healthy and rec.scrape_failures >= self.unhealthy_after_failures:
+            rec.healthy = False
+            self._changed(rec)
+            return True
+        return False
+
+    # -- candidates --------------------------------------------------------------------
+    def candidates(self, subset: Collection[EndpointId] | None = None) -> list[Endpoint]:
+        """Healthy endpoints (restricted to `subset` when given), as immutable views."""
+        if self._healthy_views is None:
+            self._healthy_views = [r.view() for r in self._records.values() if r.healthy]
+        if subset is None:
+            return self._healthy_views
+        return [e for e in self._healthy_views if e.id in subset]
+
+    # -- in-flight accounting ------------------------------------------------------------
+    def begin(self, endpoint_id: EndpointId, prompt_tokens: int = 0) -> Ticket:
+        rec = self._records.get(endpoint_id)
+        if rec is not None:
+            rec.in_flight_requests += 1
+            rec.in_flight_prompt_tokens += prompt_tokens
+            self._changed(rec)
+        return Ticket(endpoint_id, prompt_tokens, self.clock.now())
+
+    def release(self, ticket: Ticket) -> bool:
+        """Release a ticket; returns False if it was already released."""
+        if ticket.released:
+            return False
+        ticket.released = True
+        rec = self._records.get(ticket.endpoint)
+        if rec is not None:
+            rec.in_flight_requests -= 1
+            rec.in_flight_prompt_tokens -= ticket.prompt_tokens
+            self._changed(rec)
+        return True
+
+    def total_in_flight(self) -> int:
+        return sum(r.in_flight_requests for r in self._records.values())
+
+    def _changed(self, rec: EndpointRecord) -> None:
+        rec.touch()
+        self._healthy_views = None

@@ -1,0 +1,38 @@
+"""The one list of in-tree plugins."""
+
+from __future__ import annotations
+
+from epp.scheduling.plugins import (
+    active_request_scorer,
+    kv_cache_utilization_scorer,
+    max_score_picker,
+    queue_scorer,
+    random_picker,
+    round_robin_picker,
+    running_requests_scorer,
+    single_profile_handler,
+    staleness_filter,
+    token_load_scorer,
+)
+from epp.scheduling.registry import PluginRegistry, PluginSpec
+
+BUILTIN_SPECS: tuple[PluginSpec, ...] = (
+    queue_scorer.SPEC,
+    kv_cache_utilization_scorer.SPEC,
+    running_requests_scorer.SPEC,
+    active_request_scorer.SPEC,
+    token_load_scorer.SPEC,
+    max_score_picker.SPEC,
+    random_picker.SPEC,
+    round_robin_picker.SPEC,
+    staleness_filter.SPEC,
+    single_profile_handler.SPEC,
+)
+
+
+def default_registry() -> PluginRegistry:
+    """A fresh registry holding every in-tree plugin."""
+    registry = PluginRegistry()
+    for spec in BUILTIN_SPECS:
+        registry.register(spec)
+    return registry

@@ -1,0 +1,76 @@
+"""Plugin contracts. Implementations live one per module in `epp.scheduling.plugins`."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from epp.clock import Clock
+from epp.types import Endpoint, EndpointId, InferenceRequest
+
+
+@dataclass(slots=True)
+class CycleState:
+    """Per-request scratch space that plugins of one cycle may share (e.g. prompt block keys)."""
+
+    now: float
+    rng: random.Random
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginHandle:
+    """What a plugin factory may use: the clock, a seeded random source, shared services."""
+
+    clock: Clock
+    rng: random.Random
+    services: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Plugin(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+@runtime_checkable
+class Filter(Plugin, Protocol):
+    """Drops candidates. Returns the endpoints that remain, in their given order."""
+
+    def filter(
+        self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> list[Endpoint]: ...
+
+
+@runtime_checkable
+class Scorer(Plugin, Protocol):
+    """Scores every candidate in [0, 1] (higher is better), aligned with `endpoints`.
+    Values outside [0, 1] are clamped by the profile."""
+
+    def score(
+        self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
+    ) -> Sequence[float]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredEndpoint:
+    endpoint: Endpoint
+    score: float
+
+
+@runtime_checkable
+class Picker(Plugin, Protocol):
+    """Chooses endpoints from scored candidates: first is primary, the rest are fallbacks."""
+
+    def pick(
+        self, state: CycleState, request: InferenceRequest, scored: Sequence[ScoredEndpoint]
+    ) -> list[EndpointId]: ...
+
+
+@runtime_checkable
+class ProfileHandler(Plugin, Protocol):
+    """Chooses which scheduling profile runs for a request."""
+
+    def select(self, request: InferenceRequest, profiles: Sequence[str]) -> str: ...

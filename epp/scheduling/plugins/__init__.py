@@ -1,0 +1,1 @@
+"""In-tree plugins, one per module. `epp.scheduling.builtin` lists them."""

@@ -1,0 +1,93 @@
+"""A scheduling profile: filters, then clamped weighted scorers, then a picker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from epp.clock import Clock
+from epp.scheduling.errors import AllFilteredError
+from epp.scheduling.framework import CycleState, Filter, Picker, ScoredEndpoint, Scorer
+from epp.types import Endpoint, EndpointId, InferenceRequest
+
+PluginTiming = tuple[str, str, str, float]
+"""(extension point, plugin type, plugin name, seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float
+    type_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class NamedFilter:
+    filter: Filter
+    type_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    endpoints: list[EndpointId]
+    scores: dict[EndpointId, float]
+
+
+def _clamp(x: float) -> float:
+    if x != x:  # NaN scores count as 0
+        return 0.0
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
+class SchedulerProfile:
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[NamedFilter],
+        scorers: Sequence[WeightedScorer],
+        picker: Picker,
+        picker_type: str,
+    ) -> None:
+        self.name = name
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+        self.picker_type = picker_type
+
+    def run(
+        self,
+        state: CycleState,
+        request: InferenceRequest,
+        endpoints: Sequence[Endpoint],
+        timer: Clock | None = None,
+        timings: list[PluginTiming] | None = None,
+    ) -> ProfileResult:
+        current: Sequence[Endpoint] = endpoints
+        for nf in self.filters:
+            t0 = timer.now() if timer else 0.0
+            current = nf.filter.filter(state, request, current)
+            if timer and timings is not None:
+                timings.append(("Filter", nf.type_name, nf.filter.name, timer.now() - t0))
+            if not current:
+                raise AllFilteredError(f"no endpoint passed filter {nf.filter.name!r}")
+        totals = [0.0] * len(current)
+        for ws in self.scorers:
+            t0 = timer.now() if timer else 0.0
+            scores = ws.scorer.score(state, request, current)
+            if timer and timings is not None:
+                timings.append(("Scorer", ws.type_name, ws.scorer.name, timer.now() - t0))
+            if len(scores) != len(current):
+                raise RuntimeError(
+                    f"scorer {ws.scorer.name!r} returned {len(scores)} scores for {len(current)} endpoints"
+                )
+            w = ws.weight
+            for i, s in enumerate(scores):
+                totals[i] += _clamp(s) * w
+        scored = [ScoredEndpoint(ep, totals[i]) for i, ep in enumerate(current)]
+        t0 = timer.now() if timer else 0.0
+        picked = self.picker.pick(state, request, scored)
+        if timer and timings is not None:
+            timings.append(("Picker", self.picker_type, self.picker.name, timer.now() - t0))
+        if not picked:
+            raise AllFilteredError(f"picker {self.picker.name!r} chose no endpoint")
+        return ProfileResult(picked, {s.endpoint.id: s.score for s in scored})

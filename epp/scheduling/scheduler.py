@@ -1,0 +1,59 @@
+"""schedule(request, candidates) -> Decision. Pure: the clock and random source are given."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from epp.clock import Clock
+from epp.scheduling.errors import NoEndpointsError, PoolSaturatedError
+from epp.scheduling.framework import CycleState, ProfileHandler
+from epp.scheduling.profile import PluginTiming, SchedulerProfile
+from epp.scheduling.saturation import SaturationDetector
+from epp.types import Decision, Endpoint, InferenceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleResult:
+    decision: Decision
+    timings: tuple[PluginTiming, ...] = ()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        profiles: Mapping[str, SchedulerProfile],
+        handler: ProfileHandler,
+        clock: Clock,
+        rng: random.Random,
+        saturation: SaturationDetector | None = None,
+        timer: Clock | None = None,
+    ) -> None:
+        if not profiles:
+            raise ValueError("a scheduler needs at least one profile")
+        self.profiles = dict(profiles)
+        self._names = tuple(self.profiles)
+        self.handler = handler
+        self.clock = clock
+        self.rng = rng
+        self.saturation = saturation or SaturationDetector()
+        self.timer = timer
+
+    def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> ScheduleResult:
+        if not candidates:
+            raise NoEndpointsError("no endpoints available")
+        now = self.clock.now()
+        if request.sheddable and self.saturation.pool_saturated(candidates, now):
+            raise PoolSaturatedError("pool is saturated and the request is sheddable")
+        profile = self.profiles[self.handler.select(request, self._names)]
+        state = CycleState(now=now, rng=self.rng)
+        timings: list[PluginTiming] = []
+        result = profile.run(state, request, candidates, self.timer, timings)
+        decision = Decision(
+            endpoints=tuple(result.endpoints),
+            profile=profile.name,
+            reason=state.data.get("reason", "scored"),
+            scores=result.scores,
+        )
+        return ScheduleResult(decision, tuple(timings))
