@@ -239,6 +239,7 @@ def build_scheduler(
         if kind == "profile-handler":
             if handler is not None:
                 raise ConfigError(src, where, "type", "only one profile handler may be configured")
+            assert isinstance(plugin, ProfileHandler)
             handler = plugin
     if not config.doc.scheduling_profiles:
         raise ConfigError(src, "schedulingProfiles", "", "at least one scheduling profile is required")
@@ -249,9 +250,7 @@ def build_scheduler(
         profiles[profile.name] = _build_profile(src, profile, built, kinds)
     if handler is None:
         if len(profiles) > 1:
-            raise ConfigError(
-                src, "schedulingProfiles", "", "several profiles need a profile-handler plugin"
-            )
+            raise ConfigError(src, "schedulingProfiles", "", "several profiles need a profile-handler plugin")
         handler = SingleProfileHandler("single-profile-handler")
     return Scheduler(profiles, handler, clock, rng, config.saturation, timer)
 
@@ -273,7 +272,9 @@ def _build_profile(
         if kind == "scorer":
             weight = 1.0 if ref.weight is None else float(ref.weight)
             if not math.isfinite(weight) or weight < 0:
-                raise ConfigError(src, where, "weight", f"weight must be a finite number >= 0, got {ref.weight}")
+                raise ConfigError(
+                    src, where, "weight", f"weight must be a finite number >= 0, got {ref.weight}"
+                )
             assert isinstance(plugin, Scorer)
             scorers.append(WeightedScorer(plugin, weight, type_name))
         elif kind == "filter":

@@ -33,7 +33,7 @@ class PluginParamsError(ValueError):
         self.message = message
 
 
-class Params(msgspec.Struct, forbid_unknown_fields=True, rename="camel", frozen=True):
+class Params(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     """Base for plugin parameter structs: camelCase keys, unknown keys rejected."""
 
 

@@ -1,0 +1,205 @@
+"""`epp` command line: flags (Go-style like the reference EPP where they exist) -> server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import sys
+from collections.abc import Sequence
+
+from epp.clock import MonotonicClock
+from epp.config import (
+    ConfigError,
+    EppConfig,
+    StaticEndpoint,
+    build_scheduler,
+    default_config,
+    load_config,
+    parse_endpoint_address,
+)
+from epp.durations import parse_duration
+from epp.scheduling.builtin import default_registry
+
+
+def _bool(text: str) -> bool:
+    v = text.strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _endpoints(text: str) -> list[StaticEndpoint]:
+    out = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            out.append(StaticEndpoint(parse_endpoint_address(part)))
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    if not out:
+        raise argparse.ArgumentTypeError("--endpoints needs at least one ip:port")
+    return out
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port out of range: {port}")
+    return port
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2, "g": 1024**3, "gib": 1024**3}
+    t = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix) and t[: -len(suffix)].strip().isdigit():
+            return int(t[: -len(suffix)]) * units[suffix]
+    if t.isdigit() and int(t) > 0:
+        return int(t)
+    raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 32MiB or 1048576)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epp", description="Cache-aware Endpoint Picker for LLM inference")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the ext_proc Endpoint Picker")
+    s.add_argument("--config", "--config-file", dest="config", help="EndpointPickerConfig YAML file")
+    s.add_argument("--endpoints", type=_endpoints, default=[], help="comma-separated ip:port list")
+    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    s.add_argument("--grpc-port", type=_port, default=9002)
+    s.add_argument("--grpc-health-port", type=_port, default=9003)
+    s.add_argument("--metrics-port", type=_port, default=9090)
+    s.add_argument(
+        "--secure-serving",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="serve ext_proc over TLS (default true; self-signed unless --cert-path)",
+    )
+    s.add_argument("--cert-path", help="directory with tls.crt and tls.key")
+    s.add_argument(
+        "--refresh-metrics-interval",
+        type=_duration,
+        default=0.05,
+        help="how often to scrape each endpoint's /metrics (default 50ms; 0 disables)",
+    )
+    s.add_argument("--metrics-timeout", type=_duration, default=1.0, help="per-scrape timeout (default 1s)")
+    s.add_argument(
+        "--unhealthy-after",
+        type=int,
+        default=3,
+        help="consecutive failed scrapes before an endpoint stops receiving traffic (default 3)",
+    )
+    s.add_argument(
+        "--max-body-size",
+        type=_bytes,
+        default=32 * 1024 * 1024,
+        help="largest request body accepted; larger gets 413 (default 32MiB)",
+    )
+    s.add_argument("--pool-name", default="default", help="pool name used in metric labels")
+    s.add_argument("--seed", type=int, default=None, help="seed for tie-breaking (default: random)")
+    s.add_argument(
+        "--enable-debug-endpoints",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="serve /debug/* on the metrics port (default true)",
+    )
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
+    c.add_argument("file")
+    sub.add_parser("plugins", help="list the plugin types this build knows")
+    return p
+
+
+def _load(path: str | None) -> EppConfig:
+    return load_config(path) if path else default_config()
+
+
+def _check(cfg: EppConfig) -> None:
+    build_scheduler(cfg, default_registry(), MonotonicClock(), random.Random(0))
+
+
+async def _serve(args: argparse.Namespace, cfg: EppConfig) -> None:
+    from epp.server.app import EppServer, ServerSettings
+
+    settings = ServerSettings(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        grpc_health_port=args.grpc_health_port,
+        metrics_port=args.metrics_port,
+        secure_serving=args.secure_serving,
+        cert_path=args.cert_path,
+        refresh_metrics_interval=args.refresh_metrics_interval,
+        metrics_timeout=args.metrics_timeout,
+        unhealthy_after_failures=args.unhealthy_after,
+        max_body_bytes=args.max_body_size,
+        pool_name=args.pool_name,
+        seed=args.seed,
+        debug_endpoints=args.enable_debug_endpoints,
+    )
+    server = EppServer(settings, cfg, args.endpoints)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "plugins":
+        for spec in default_registry().types():
+            print(f"{spec.type_name:32} {spec.kind:16} {spec.doc}")
+        return 0
+    try:
+        if args.command == "check-config":
+            _check(load_config(args.file))
+            print(f"{args.file}: ok")
+            return 0
+        cfg = _load(args.config)
+        if args.unhealthy_after < 1:
+            raise ConfigError("flags", "", "--unhealthy-after", "must be >= 1")
+        if not cfg.endpoints and not args.endpoints:
+            raise ConfigError(
+                cfg.source, "", "endpoints", "no endpoints: pass --endpoints or list them in the config"
+            )
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        asyncio.run(_serve(args, cfg))
+    except ConfigError as err:
+        print(f"epp: config error: {err}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:
+        print(f"epp: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Turn an OpenAI-style HTTP request (headers + JSON body) into an `InferenceRequest`. Pure.
+
+Errors are `RequestError`s carrying the HTTP status the gateway should answer with.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from epp.types import ApiKind, InferenceRequest
+
+HEADERS_OF_INTEREST = (
+    "x-request-id",
+    "x-gateway-inference-objective",
+    "x-gateway-inference-fairness-id",
+    "x-gateway-model-name-rewrite",
+    "content-type",
+)
+
+_PATH_KINDS = (
+    ("/chat/completions", ApiKind.CHAT_COMPLETIONS),
+    ("/completions", ApiKind.COMPLETIONS),
+    ("/embeddings", ApiKind.EMBEDDINGS),
+    ("/responses", ApiKind.RESPONSES),
+)
+_CHARS_PER_TOKEN = 4
+_decoder = msgspec.json.Decoder()
+
+
+class RequestError(ValueError):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def bad_request(message: str) -> RequestError:
+    return RequestError(400, "BadRequest", message)
+
+
+def api_kind_of(path: str) -> ApiKind:
+    path = path.split("?", 1)[0].rstrip("/")
+    for suffix, kind in _PATH_KINDS:
+        if path.endswith(suffix):
+            return kind
+    return ApiKind.OTHER
+
+
+def _text_tokens(text: str) -> int:
+    return (len(text) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
+
+
+def _check_prompt(prompt: Any) -> tuple[str | list[int], int]:
+    """Validate a completions `prompt`; returns (prompt, estimated prompt tokens)."""
+    if isinstance(prompt, str):
+        return prompt, _text_tokens(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(type(t) is int for t in prompt):
+            return prompt, len(prompt)
+        if all(isinstance(p, str) for p in prompt):
+            joined = "".join(prompt)
+            return joined, _text_tokens(joined)
+        if all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+            flat = [t for p in prompt for t in p]
+            return flat, len(flat)
+    raise bad_request("'prompt' must be a string, a list of strings, or a list of token ids")
+
+
+def _check_messages(messages: Any) -> tuple[list[dict[str, Any]], int]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list")
+    chars = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"'messages[{i}]' must be an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    chars += len(part["text"])
+        elif content is not None:
+            raise bad_request(f"'messages[{i}].content' must be a string, a list of parts, or null")
+    return messages, (chars + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
+
+
+def parse_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    if not body:
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        doc = _decoder.decode(body)
+    except msgspec.DecodeError as err:
+        raise bad_request(f"request body is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise bad_request("request body must be a JSON object")
+    return doc
+
+
+def build_request(
+    headers: Mapping[str, str],
+    body: dict[str, Any] | None,
+    objectives: Mapping[str, int],
+    body_bytes: int = 0,
+) -> InferenceRequest:
+    """Validate and build the request. `headers` keys are lower-case."""
+    path = headers.get(":path", "")
+    kind = api_kind_of(path)
+    request_id = headers.get("x-request-id") or str(uuid.uuid4())
+    objective = headers.get("x-gateway-inference-objective") or None
+    priority = objectives.get(objective, 0) if objective else 0
+    kept = {k: headers[k] for k in HEADERS_OF_INTEREST if k in headers}
+    if body is None:
+        return InferenceRequest(request_id, kind, "", headers=kept, objective=objective, priority=priority)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is missing or not a non-empty string")
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tokens = 0
+    if "messages" in body or kind is ApiKind.CHAT_COMPLETIONS:
+        messages, tokens = _check_messages(body.get("messages"))
+    elif "prompt" in body:
+        prompt, tokens = _check_prompt(body["prompt"])
+    elif kind in (ApiKind.EMBEDDINGS, ApiKind.RESPONSES) and "input" in body:
+        inp = body["input"]
+        if isinstance(inp, list) and inp and all(isinstance(m, dict) for m in inp):
+            messages, tokens = _check_messages(inp)
+        else:
+            prompt, tokens = _check_prompt(inp)
+    else:
+        raise bad_request("request needs 'prompt' or 'messages'")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+        raise bad_request("'max_tokens' must be a non-negative integer")
+    return InferenceRequest(
+        request_id=request_id,
+        api_kind=kind,
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        stream=stream,
+        max_tokens=max_tokens,
+        headers=kept,
+        objective=objective,
+        priority=priority,
+        body_bytes=body_bytes,
+        prompt_tokens_estimate=tokens,
+    )

@@ -1,0 +1,1 @@
+"""The serving edge: ext_proc gRPC server, request lifecycle, admin HTTP, composition root."""

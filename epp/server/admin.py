@@ -1,0 +1,88 @@
+"""Admin HTTP (aiohttp): /metrics, /healthz, /readyz and /debug/endpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from epp.clock import Clock
+from epp.datastore import Datastore, EndpointRecord
+from epp.server.metrics import EppMetrics
+
+
+def endpoint_json(rec: EndpointRecord, now: float) -> dict[str, Any]:
+    metrics = None
+    if rec.metrics is not None:
+        metrics = {
+            k: sorted(v) if isinstance(v, frozenset) else v
+            for k, v in dataclasses.asdict(rec.metrics).items()
+        }
+    return {
+        "address": rec.id,
+        "model": rec.model,
+        "healthy": rec.healthy,
+        "metrics": metrics,
+        "metrics_age_seconds": None if rec.metrics is None else round(now - rec.metrics.observed_at, 6),
+        "in_flight_requests": rec.in_flight_requests,
+        "in_flight_prompt_tokens": rec.in_flight_prompt_tokens,
+        "scrape_failures": rec.scrape_failures,
+        "last_error": rec.last_error,
+    }
+
+
+class AdminServer:
+    def __init__(
+        self,
+        metrics: EppMetrics,
+        datastore: Datastore,
+        clock: Clock,
+        ready: Callable[[], bool],
+        debug_endpoints: bool = True,
+    ) -> None:
+        self.metrics = metrics
+        self.datastore = datastore
+        self.clock = clock
+        self.ready = ready
+        self.app = web.Application()
+        self.app.router.add_get("/metrics", self._metrics)
+        self.app.router.add_get("/healthz", self._healthz)
+        self.app.router.add_get("/readyz", self._readyz)
+        if debug_endpoints:
+            self.app.router.add_get("/debug/endpoints", self._endpoints)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        if self.ready():
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready\n")
+
+    async def _endpoints(self, request: web.Request) -> web.Response:
+        now = self.clock.now()
+        return web.json_response({"endpoints": [endpoint_json(r, now) for r in self.datastore.records()]})

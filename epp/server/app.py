@@ -1,0 +1,160 @@
+"""Composition root: builds the datastore, scheduler, servers and sources, and runs them."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epp.clock import MonotonicClock
+from epp.config import EppConfig, StaticEndpoint, build_scheduler
+from epp.datastore import Datastore
+from epp.scheduling.builtin import default_registry
+from epp.scheduling.registry import PluginRegistry
+from epp.server.admin import AdminServer
+from epp.server.director import Director
+from epp.server.ext_proc import SERVICE_NAME, ExtProcService
+from epp.server.metrics import EppMetrics
+from epp.server.tls import load_cert_dir, self_signed
+from epp.sources.metrics_scrape import MetricsScraper
+
+log = logging.getLogger("epp.server")
+
+HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
+_GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = "0.0.0.0"
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    secure_serving: bool = True
+    cert_path: str | None = None
+    refresh_metrics_interval: float = 0.05
+    metrics_timeout: float = 1.0
+    unhealthy_after_failures: int = 3
+    max_body_bytes: int = 32 * 1024 * 1024
+    pool_name: str = "default"
+    seed: int | None = None
+    debug_endpoints: bool = True
+
+
+class EppServer:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        config: EppConfig,
+        endpoints: Sequence[StaticEndpoint] = (),
+        registry: PluginRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self.clock = MonotonicClock()
+        self.rng = random.Random(settings.seed)
+        self.datastore = Datastore(self.clock, settings.unhealthy_after_failures)
+        for ep in (*config.endpoints, *endpoints):
+            self.datastore.add_endpoint(ep.address, ep.model)
+        self.metrics = EppMetrics()
+        self.metrics.attach_pool(self.datastore, self.clock, settings.pool_name)
+        # Plugins are built (and their parameters validated) here, before anything listens.
+        self.scheduler = build_scheduler(
+            config, registry or default_registry(), self.clock, self.rng, timer=self.clock
+        )
+        self.director = Director(self.datastore, self.scheduler, self.metrics, self.clock, config.objectives)
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.admin = AdminServer(
+            self.metrics, self.datastore, self.clock, self.is_ready, settings.debug_endpoints
+        )
+        self.scraper: MetricsScraper | None = None
+        if settings.refresh_metrics_interval > 0:
+            self.scraper = MetricsScraper(
+                self.datastore,
+                self.clock,
+                interval=settings.refresh_metrics_interval,
+                timeout=settings.metrics_timeout,
+                observer=self.metrics,
+            )
+        self._grpc: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._ready = False
+        self.grpc_port = 0
+        self.grpc_health_port = 0
+        self.metrics_port = 0
+        self.certificate_pem: bytes | None = None
+
+    def is_ready(self) -> bool:
+        return self._ready
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        s = self.settings
+        if not s.secure_serving:
+            return None
+        crt, key = load_cert_dir(s.cert_path) if s.cert_path else self_signed()
+        self.certificate_pem = crt
+        return grpc.ssl_server_credentials([(key, crt)])
+
+    async def start(self) -> None:
+        s = self.settings
+        creds = self._credentials()
+        self._grpc = grpc.aio.server(options=_GRPC_OPTIONS)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExtProcService(self.director, s.max_body_bytes), self._grpc
+        )
+        addr = f"{s.host}:{s.grpc_port}"
+        port = self._grpc.add_secure_port(addr, creds) if creds else self._grpc.add_insecure_port(addr)
+        if port == 0:
+            raise OSError(f"cannot listen for gRPC on {addr}")
+        self.grpc_port = port
+        self._health_server = grpc.aio.server(options=_GRPC_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        haddr = f"{s.host}:{s.grpc_health_port}"
+        self.grpc_health_port = self._health_server.add_insecure_port(haddr)
+        if self.grpc_health_port == 0:
+            raise OSError(f"cannot listen for gRPC health on {haddr}")
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._grpc.start()
+        await self._health_server.start()
+        self.metrics_port = await self.admin.start(s.host, s.metrics_port)
+        if self.scraper is not None:
+            await self.scraper.start()
+        self._ready = True
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "EPP serving ext_proc on %s:%d (%s), health on %d, metrics on %d, %d endpoints",
+            s.host,
+            self.grpc_port,
+            "TLS" if creds else "plaintext",
+            self.grpc_health_port,
+            self.metrics_port,
+            len(self.datastore.ids()),
+        )
+
+    async def stop(self, grace: float = 1.0) -> None:
+        self._ready = False
+        await self.health.enter_graceful_shutdown()
+        if self.scraper is not None:
+            await self.scraper.stop()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
+        await self.admin.stop()
+
+    async def wait(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.wait_for_termination()

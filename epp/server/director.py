@@ -1,0 +1,111 @@
+"""The request lifecycle, independent of the wire protocol: validate, schedule, account, release."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from epp.clock import Clock
+from epp.datastore import Datastore, Ticket
+from epp.requests import RequestError, build_request, parse_body
+from epp.scheduling.errors import NoEndpointsError
+from epp.scheduling.scheduler import Scheduler
+from epp.server.metrics import EppMetrics
+from epp.types import Decision, InferenceRequest
+from epp.usage import Usage
+
+log = logging.getLogger("epp.director")
+
+
+@dataclass(slots=True)
+class RoutedRequest:
+    request: InferenceRequest
+    decision: Decision
+    ticket: Ticket
+    routed_at: float
+    status: int | None = None
+    first_byte_at: float | None = None
+
+
+class Director:
+    def __init__(
+        self,
+        datastore: Datastore,
+        scheduler: Scheduler,
+        metrics: EppMetrics,
+        clock: Clock,
+        objectives: Mapping[str, int] | None = None,
+    ) -> None:
+        self.datastore = datastore
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.clock = clock
+        self.objectives = dict(objectives or {})
+
+    def route(
+        self,
+        headers: Mapping[str, str],
+        body: bytes | bytearray | None,
+        subset: Collection[str] | None = None,
+    ) -> RoutedRequest:
+        """Pick endpoints for a request. Raises RequestError or SchedulingError."""
+        doc: dict[str, Any] | None = None if body is None else parse_body(body)
+        request = build_request(headers, doc, self.objectives, len(body) if body is not None else 0)
+        if subset is not None:
+            candidates = self.datastore.candidates(subset)
+            if not candidates:
+                raise NoEndpointsError("no eligible endpoint in the gateway's subset hint")
+        else:
+            candidates = self.datastore.candidates()
+        t0 = self.clock.now()
+        result = self.scheduler.schedule(request, candidates)
+        t1 = self.clock.now()
+        m = self.metrics
+        m.scheduler_duration.observe(t1 - t0)
+        for point, ptype, pname, seconds in result.timings:
+            m.plugin_duration.labels(point, ptype, pname).observe(seconds)
+        decision = result.decision
+        m.picks.labels(decision.primary, decision.profile, decision.reason).inc()
+        m.requests.labels(request.model, request.model).inc()
+        m.running.labels(request.model).inc()
+        ticket = self.datastore.begin(decision.primary, request.prompt_tokens_estimate)
+        return RoutedRequest(request, decision, ticket, t1)
+
+    def reject(self, status: int, code: str, model: str = "") -> None:
+        self.metrics.rejections.labels(str(status), code).inc()
+        if model:
+            self.metrics.request_errors.labels(model, model, code).inc()
+
+    def on_response_status(self, routed: RoutedRequest, status: int) -> None:
+        routed.status = status
+        if not 200 <= status < 300:
+            self.metrics.backend_errors.labels(routed.decision.primary, str(status)).inc()
+            model = routed.request.model
+            self.metrics.request_errors.labels(model, model, f"ModelServerError{status}").inc()
+
+    def on_first_byte(self, routed: RoutedRequest) -> None:
+        if routed.first_byte_at is None:
+            routed.first_byte_at = now = self.clock.now()
+            self.metrics.ttfb.labels(routed.decision.primary).observe(now - routed.routed_at)
+
+    def finish(self, routed: RoutedRequest, cause: str, usage: Usage | None = None) -> None:
+        """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect."""
+        if not self.datastore.release(routed.ticket):
+            return
+        m = self.metrics
+        model = routed.request.model
+        m.released.labels(cause).inc()
+        m.running.labels(model).dec()
+        m.request_duration.labels(model, model).observe(self.clock.now() - routed.routed_at)
+        if usage is not None:
+            ep = routed.decision.primary
+            m.input_tokens.labels(model, model).observe(usage.prompt_tokens)
+            m.output_tokens.labels(model, model).observe(usage.completion_tokens)
+            m.usage_tokens.labels(ep, "prompt").inc(usage.prompt_tokens)
+            m.usage_tokens.labels(ep, "cached").inc(usage.cached_tokens)
+            m.usage_tokens.labels(ep, "completion").inc(usage.completion_tokens)
+
+
+__all__ = ["Director", "RequestError", "RoutedRequest"]

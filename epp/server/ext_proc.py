@@ -1,0 +1,295 @@
+"""Envoy ext_proc stream handling: one gRPC stream per HTTP request.
+
+Request path: headers are held until the body ends (FULL_DUPLEX_STREAMED) or answered at once
+(BUFFERED / STREAMED / header-only); at the end of the body the request is scheduled and the
+destination is returned as a header and as `envoy.lb` dynamic metadata. Response path: the
+body is echoed (duplex) while usage and the first byte are recorded, and the request's
+in-flight accounting is released at the end, on error, or when the stream goes away.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from epp.requests import RequestError
+from epp.scheduling.errors import SchedulingError
+from epp.server.director import Director, RoutedRequest
+from epp.usage import UsageReader
+
+log = logging.getLogger("epp.ext_proc")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+MAX_CHUNK = 62_000
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+_DUPLEX = 4  # ProcessingMode.FULL_DUPLEX_STREAMED
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_JSON_CT = base_pb2.HeaderValueOption(
+    header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
+)
+
+
+def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
+    """The gateway's allowed endpoints, or None when there is no hint."""
+    md = req.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in md:
+        return None
+    fields = md[SUBSET_NAMESPACE].fields
+    if SUBSET_KEY not in fields:
+        return None
+    value = fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return [i.strip() for i in items if i.strip()]
+
+
+def error_response(status: int, code: str, message: str) -> pb.ProcessingResponse:
+    body = json.dumps(
+        {"error": {"message": f"inference error: {code} - {message}", "type": code, "code": status}}
+    ).encode()
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=[_JSON_CT]),
+            body=body,
+            details=f"epp_{code}",
+        )
+    )
+
+
+def _destination_mutation(value: str) -> pb.CommonResponse:
+    return pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(
+            set_headers=[
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=value.encode()),
+                    append_action=_OVERWRITE,
+                )
+            ]
+        ),
+        clear_route_cache=True,
+    )
+
+
+def _lb_metadata(value: str) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
+    return md
+
+
+def _echo(chunk: bytes, eos: bool, response: bool) -> pb.ProcessingResponse:
+    body = pb.BodyResponse(
+        response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(
+                streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=eos)
+            )
+        )
+    )
+    return pb.ProcessingResponse(response_body=body) if response else pb.ProcessingResponse(request_body=body)
+
+
+class RequestStream:
+    """State machine for one ext_proc stream. `on_message` returns the responses to send."""
+
+    def __init__(self, director: Director, max_body_bytes: int) -> None:
+        self.director = director
+        self.max_body_bytes = max_body_bytes
+        self.headers: dict[str, str] = {}
+        self.subset: list[str] | None = None
+        self.request_mode = _DUPLEX
+        self.response_mode = _DUPLEX
+        self.body = bytearray()
+        self.routed: RoutedRequest | None = None
+        self.usage: UsageReader | None = None
+        self.done = False
+
+    # -- request path -------------------------------------------------------------------
+    def on_message(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
+        which = msg.WhichOneof("request")
+        if which == "request_headers":
+            return self._request_headers(msg)
+        if which == "request_body":
+            return self._request_body(msg.request_body)
+        if which == "request_trailers":
+            return self._request_trailers()
+        if which == "response_headers":
+            return self._response_headers(msg.response_headers)
+        if which == "response_body":
+            return self._response_body(msg.response_body)
+        if which == "response_trailers":
+            self._finish("complete")
+            return (pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),)
+        return ()
+
+    def _request_headers(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
+        if msg.HasField("protocol_config"):
+            self.request_mode = msg.protocol_config.request_body_mode
+            self.response_mode = msg.protocol_config.response_body_mode
+        self.headers = header_map(msg.request_headers)
+        self.subset = subset_hint(msg)
+        if msg.request_headers.end_of_stream:
+            return self._route(None, header_phase=True)
+        if self.request_mode != _DUPLEX:
+            # BUFFERED/STREAMED: Envoy waits for this answer before sending the body.
+            return (pb.ProcessingResponse(request_headers=pb.HeadersResponse()),)
+        return ()
+
+    def _request_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
+        if self.routed is not None:  # body after a header-only pick: pass through
+            return (
+                (_echo(body.body, body.end_of_stream, False),)
+                if self.request_mode == _DUPLEX
+                else (pb.ProcessingResponse(request_body=pb.BodyResponse()),)
+            )
+        if len(self.body) + len(body.body) > self.max_body_bytes:
+            return self._reject(413, "PayloadTooLarge", f"request body exceeds {self.max_body_bytes} bytes")
+        self.body += body.body
+        if self.request_mode == _DUPLEX and not body.end_of_stream:
+            return ()
+        if self.request_mode == 1 and not body.end_of_stream:  # STREAMED: acknowledge each chunk
+            return (pb.ProcessingResponse(request_body=pb.BodyResponse()),)
+        return self._route(self.body, header_phase=False)
+
+    def _request_trailers(self) -> Iterable[pb.ProcessingResponse]:
+        out: list[pb.ProcessingResponse] = []
+        if self.routed is None and not self.done:
+            out.extend(self._route(self.body, header_phase=False, body_eos=False))
+        if not self.done:
+            out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        return out
+
+    def _route(
+        self, body: bytearray | None, header_phase: bool, body_eos: bool = True
+    ) -> Iterable[pb.ProcessingResponse]:
+        try:
+            routed = self.director.route(self.headers, body, self.subset)
+        except RequestError as err:
+            return self._reject(err.status, err.code, err.message)
+        except SchedulingError as err:
+            return self._reject(err.status, err.code, str(err))
+        except Exception:
+            log.exception("internal error while routing")
+            return self._reject(500, "Internal", "internal error")
+        self.routed = routed
+        dest = ",".join(routed.decision.endpoints)
+        metadata = _lb_metadata(dest)
+        common = _destination_mutation(dest)
+        if header_phase:
+            return (
+                pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+                ),
+            )
+        if self.request_mode != _DUPLEX:
+            return (
+                pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+                ),
+            )
+        out = [
+            pb.ProcessingResponse(
+                request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+            )
+        ]
+        assert body is not None
+        data = bytes(body)
+        self.body = bytearray()
+        n = len(data)
+        if n == 0:
+            out.append(_echo(b"", body_eos, False))
+        for start in range(0, n, MAX_CHUNK):
+            end = start + MAX_CHUNK
+            out.append(_echo(data[start:end], body_eos and end >= n, False))
+        return out
+
+    def _reject(self, status: int, code: str, message: str) -> Iterable[pb.ProcessingResponse]:
+        self.done = True
+        self.body = bytearray()
+        self.director.reject(status, code)
+        return (error_response(status, code, message),)
+
+    # -- response path ------------------------------------------------------------------
+    def _response_headers(self, headers: pb.HttpHeaders) -> Iterable[pb.ProcessingResponse]:
+        h = header_map(headers)
+        if self.routed is not None:
+            try:
+                status = int(h.get(":status", "200"))
+            except ValueError:
+                status = 0
+            self.director.on_response_status(self.routed, status)
+            self.usage = UsageReader("text/event-stream" in h.get("content-type", ""))
+            if headers.end_of_stream:
+                self.director.on_first_byte(self.routed)
+                self._finish("complete" if 200 <= status < 300 else "error")
+        return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
+
+    def _response_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
+        routed = self.routed
+        if routed is not None:
+            if routed.first_byte_at is None:
+                self.director.on_first_byte(routed)
+            if self.usage is not None:
+                self.usage.feed(body.body)
+            if body.end_of_stream:
+                status = routed.status or 200
+                self._finish("complete" if 200 <= status < 300 else "error")
+        if self.response_mode == _DUPLEX:
+            return (_echo(body.body, body.end_of_stream, True),)
+        return (pb.ProcessingResponse(response_body=pb.BodyResponse()),)
+
+    def _finish(self, cause: str) -> None:
+        if self.routed is not None:
+            usage = self.usage.finish() if self.usage is not None and cause == "complete" else None
+            self.director.finish(self.routed, cause, usage)
+
+    def close(self) -> None:
+        """The stream ended: release whatever is still held (client gone, Envoy reset)."""
+        if self.routed is not None:
+            # With response_body_mode NONE the stream's end is the response's end.
+            seen_response = self.routed.status is not None and self.response_mode == 0
+            self._finish("complete" if seen_response else "disconnect")
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, director: Director, max_body_bytes: int) -> None:
+        self.director = director
+        self.max_body_bytes = max_body_bytes
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = RequestStream(self.director, self.max_body_bytes)
+        try:
+            async for msg in request_iterator:
+                for resp in stream.on_message(msg):
+                    yield resp
+                if stream.done:
+                    return
+        finally:
+            stream.close()

@@ -1,0 +1,193 @@
+"""The EPP's Prometheus metrics, on a registry the server owns (never the global one).
+
+Names follow the reference EPP where the meaning matches (`inference_objective_*`,
+`inference_pool_*`, `inference_extension_*`); ours are prefixed `epp_`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from epp.clock import Clock
+from epp.datastore import Datastore
+
+_LATENCY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+_REQUEST_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class _PoolCollector(Collector):
+    """Gauges computed from the datastore at scrape time (no per-request cost)."""
+
+    def __init__(self, datastore: Datastore, clock: Clock, pool_name: str) -> None:
+        self.datastore = datastore
+        self.clock = clock
+        self.pool_name = pool_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = self.clock.now()
+        records = self.datastore.records()
+        ready = [r for r in records if r.healthy]
+        scraped = [r.metrics for r in ready if r.metrics is not None]
+        kv = GaugeMetricFamily(
+            "inference_pool_average_kv_cache_utilization", "Mean KV usage of ready endpoints", labels=["name"]
+        )
+        kv.add_metric([self.pool_name], sum(m.kv_usage for m in scraped) / len(scraped) if scraped else 0.0)
+        queue = GaugeMetricFamily(
+            "inference_pool_average_queue_size", "Mean waiting queue of ready endpoints", labels=["name"]
+        )
+        queue.add_metric([self.pool_name], sum(m.waiting for m in scraped) / len(scraped) if scraped else 0.0)
+        pods = GaugeMetricFamily("inference_pool_ready_pods", "Ready endpoints in the pool", labels=["name"])
+        pods.add_metric([self.pool_name], len(ready))
+        in_flight = GaugeMetricFamily(
+            "epp_endpoint_in_flight_requests",
+            "Requests the EPP routed that have not finished",
+            labels=["endpoint"],
+        )
+        in_tokens = GaugeMetricFamily(
+            "epp_endpoint_in_flight_prompt_tokens", "Prompt tokens of in-flight requests", labels=["endpoint"]
+        )
+        healthy = GaugeMetricFamily(
+            "epp_endpoint_healthy", "1 if the endpoint is a candidate", labels=["endpoint"]
+        )
+        age = GaugeMetricFamily(
+            "epp_endpoint_metrics_age_seconds",
+            "Seconds since the endpoint's metrics were last scraped (-1: never)",
+            labels=["endpoint"],
+        )
+        for r in records:
+            in_flight.add_metric([r.id], r.in_flight_requests)
+            in_tokens.add_metric([r.id], r.in_flight_prompt_tokens)
+            healthy.add_metric([r.id], 1.0 if r.healthy else 0.0)
+            age.add_metric([r.id], now - r.metrics.observed_at if r.metrics else -1.0)
+        yield from (kv, queue, pods, in_flight, in_tokens, healthy, age)
+
+
+class EppMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        model_labels = ["model_name", "target_model_name"]
+        self.requests = Counter(
+            "inference_objective_request_total", "Requests received", model_labels, registry=r
+        )
+        self.request_errors = Counter(
+            "inference_objective_request_error_total",
+            "Requests that ended in an error",
+            [*model_labels, "error_code"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "inference_objective_request_duration_seconds",
+            "From routing to the end of the response",
+            model_labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Histogram(
+            "inference_objective_input_tokens",
+            "Prompt tokens (from usage)",
+            model_labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            "inference_objective_output_tokens",
+            "Completion tokens (from usage)",
+            model_labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "inference_objective_running_requests", "Requests in flight", ["model_name"], registry=r
+        )
+        self.scheduler_duration = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "Time spent in one scheduling cycle",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.plugin_duration = Histogram(
+            "inference_extension_plugin_duration_seconds",
+            "Time spent in one plugin call",
+            ["extension_point", "plugin_type", "plugin_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.picks = Counter(
+            "epp_picks_total",
+            "Primary picks per endpoint, profile and reason",
+            ["endpoint", "profile", "reason"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "epp_rejections_total",
+            "Requests answered by the EPP itself, by status and code",
+            ["status", "code"],
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            "epp_time_to_first_byte_seconds",
+            "From routing to the first response body byte, per endpoint",
+            ["endpoint"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.usage_tokens = Counter(
+            "epp_usage_tokens_total",
+            "Tokens reported in responses' usage, per endpoint and kind (prompt, cached, completion)",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.backend_errors = Counter(
+            "epp_backend_errors_total",
+            "Responses with a non-2xx status, per endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.released = Counter(
+            "epp_requests_released_total",
+            "In-flight releases by cause (complete, error, disconnect)",
+            ["cause"],
+            registry=r,
+        )
+        self.scrapes = Counter(
+            "epp_metrics_scrapes_total",
+            "Metric scrapes by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "epp_metrics_scrape_errors_total",
+            "Failed metric scrapes by endpoint and kind",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+
+    def attach_pool(self, datastore: Datastore, clock: Clock, pool_name: str) -> None:
+        self.registry.register(_PoolCollector(datastore, clock, pool_name))
+
+    # ScrapeObserver
+    def on_scrape(self, endpoint_id: str, ok: bool, error_kind: str | None, seconds: float) -> None:
+        self.scrapes.labels(endpoint_id, "ok" if ok else "error").inc()
+        if not ok:
+            self.scrape_errors.labels(endpoint_id, error_kind or "unknown").inc()

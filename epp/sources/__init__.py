@@ -1,0 +1,1 @@
+"""I/O adapters that feed the core."""

@@ -1,0 +1,64 @@
+"""The functional core stays pure: no I/O libraries, no wall clock, no module-level random."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PURE = [
+    "epp/scheduling",
+    "epp/types.py",
+    "epp/config.py",
+    "epp/requests.py",
+    "epp/usage.py",
+    "epp/datastore.py",
+    "epp/durations.py",
+    "epp/sources/metrics_text.py",
+    "epp/testing/fakes.py",
+]
+FORBIDDEN_MODULES = {"asyncio", "grpc", "aiohttp", "zmq", "prometheus_client", "kubernetes_asyncio", "time"}
+FORBIDDEN_CALLS = {
+    ("random", "random"), ("random", "choice"), ("random", "shuffle"), ("random", "randint"),
+    ("random", "randrange"), ("random", "sample"), ("random", "uniform"), ("time", "time"),
+    ("time", "monotonic"), ("time", "perf_counter"), ("datetime", "now"),
+}
+
+
+def _files() -> list[pathlib.Path]:
+    out: list[pathlib.Path] = []
+    for p in PURE:
+        path = ROOT / p
+        out.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+    return out
+
+
+def violations(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in FORBIDDEN_MODULES:
+                found.append(node.module)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            base = node.func.value
+            if isinstance(base, ast.Name) and (base.id, node.func.attr) in FORBIDDEN_CALLS:
+                found.append(f"{base.id}.{node.func.attr}()")
+    return found
+
+
+@pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_pure_module_has_no_io_clock_or_global_random(path: pathlib.Path) -> None:
+    assert violations(path.read_text()) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["import asyncio", "from grpc import aio", "import zmq.asyncio", "x = time.monotonic()",
+     "random.shuffle(x)", "from prometheus_client import Counter"],
+)
+def test_the_scanner_catches_violations(source: str) -> None:
+    assert violations(source)

@@ -1,0 +1,115 @@
+"""Config loading: the reference format is accepted, and every mistake names file, plugin and field."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epp.config import ConfigError, build_scheduler, load_config, parse_config
+from epp.scheduling.builtin import default_registry
+from epp.testing.fakes import FakeClock
+
+HEAD = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+GOOD = HEAD + """\
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- name: picker
+  type: max-score-picker
+  parameters:
+    maxNumOfEndpoints: 2
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 1.5}
+  - {pluginRef: picker}
+saturationDetector:
+  queueDepthThreshold: 7
+  kvCacheUtilThreshold: 0.9
+  metricsStalenessThreshold: 300ms
+endpoints:
+- 10.0.0.5:8000
+- {address: "[fd00::1]:8000", model: llama}
+objectives:
+- {name: batch, priority: -1}
+- {name: interactive, priority: 10}
+"""
+
+
+def build(text: str) -> object:
+    return build_scheduler(parse_config(text, "epp.yaml"), default_registry(), FakeClock(), random.Random(0))
+
+
+def test_reference_style_config_is_accepted() -> None:
+    cfg = parse_config(GOOD, "epp.yaml")
+    s = build(GOOD)
+    assert [e.address for e in cfg.endpoints] == ["10.0.0.5:8000", "[fd00::1]:8000"]
+    assert cfg.endpoints[1].model == "llama"
+    assert cfg.objectives == {"batch": -1, "interactive": 10}
+    assert cfg.saturation.metrics_staleness_threshold == pytest.approx(0.3)
+    assert cfg.saturation.queue_depth_threshold == 7
+    profile = s.profiles["default"]  # type: ignore[attr-defined]
+    assert [w.weight for w in profile.scorers] == [2.0, 1.5]
+    assert profile.picker.max_endpoints == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "field"),
+    [
+        (HEAD.replace("v1alpha1", "v9") + "plugins: []\n", "", "apiVersion"),
+        (HEAD.replace("EndpointPickerConfig", "Other"), "", "kind"),
+        (HEAD + "plugins:\n- type: no-such-scorer\nschedulingProfiles: [{name: d}]\n", "no-such-scorer", "type"),
+        (HEAD + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoint: 2}\n"
+         "schedulingProfiles: [{name: d}]\n", "max-score-picker", "parameters.maxNumOfEndpoint"),
+        (HEAD + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: -1}\n"
+         "schedulingProfiles: [{name: d}]\n", "max-score-picker", "parameters.maxNumOfEndpoints"),
+        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+         "  - {pluginRef: queue-scorer, weight: -1}\n", "queue-scorer", "weight"),
+        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+         "  - {pluginRef: queue-scorer, weight: .nan}\n", "queue-scorer", "weight"),
+        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+         "  - {pluginRef: queue-scorer, weight: heavy}\n", "plugins[0]", "weight"),
+        (HEAD + "plugins:\n- type: max-score-picker\nschedulingProfiles:\n- name: d\n  plugins:\n"
+         "  - {pluginRef: max-score-picker, weight: 2}\n", "max-score-picker", "weight"),
+        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+         "  - {pluginRef: missing}\n", "missing", "pluginRef"),
+        (HEAD + "plugins:\n- type: queue-scorer\n- type: queue-scorer\nschedulingProfiles: [{name: d}]\n",
+         "queue-scorer", "name"),
+        (HEAD + "plugins: []\nschedulingProfiles: []\n", "schedulingProfiles", ""),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: a}, {name: b}]\n", "schedulingProfiles", ""),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsurprise: 1\n", "", "surprise"),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nendpoints: [not-an-ip:80]\n", "endpoints[0]",
+         "address"),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nendpoints: ['10.0.0.1:99999']\n", "endpoints[0]",
+         "address"),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsaturationDetector: {kvCacheUtilThreshold: 2}\n",
+         "saturationDetector", "kvCacheUtilThreshold"),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsaturationDetector: "
+         "{metricsStalenessThreshold: never}\n", "saturationDetector", "metricsStalenessThreshold"),
+        ("plugins: [\n", "", ""),
+        ("- just\n- a list\n", "", ""),
+    ],
+)
+def test_config_errors_name_file_plugin_and_field(text: str, where: str, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build(text)
+    e = err.value
+    assert e.source == "epp.yaml"
+    assert where in e.where
+    assert e.field == field
+    assert str(e).startswith("epp.yaml")
+
+
+def test_missing_file_is_a_config_error(tmp_path: object) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config("/nonexistent/epp.yaml")
+
+
+def test_load_config_from_file(tmp_path: object) -> None:
+    import pathlib
+
+    p = pathlib.Path(str(tmp_path)) / "epp.yaml"
+    p.write_text(GOOD)
+    assert load_config(str(p)).source == str(p)

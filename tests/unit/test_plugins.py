@@ -1,0 +1,137 @@
+"""Table-driven tests of the built-in filters, scorers and pickers."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from epp.scheduling.builtin import default_registry
+from epp.scheduling.framework import CycleState, PluginHandle, ScoredEndpoint
+from epp.testing.fakes import FakeClock, chat_request, endpoint
+
+NOW = 1000.0
+
+
+def make(type_name: str, params: dict[str, object] | None = None, seed: int = 0) -> object:
+    handle = PluginHandle(clock=FakeClock(NOW), rng=random.Random(seed))
+    return default_registry().create(type_name, type_name, params, handle)[1]
+
+
+def state(seed: int = 0) -> CycleState:
+    return CycleState(now=NOW, rng=random.Random(seed))
+
+
+@pytest.mark.parametrize(
+    ("type_name", "endpoints", "expected"),
+    [
+        ("queue-scorer", [endpoint("a:1", waiting=0), endpoint("b:1", waiting=10)], [1.0, 0.0]),
+        ("queue-scorer", [endpoint("a:1", waiting=2), endpoint("b:1", waiting=4), endpoint("c:1", waiting=3)],
+         [1.0, 0.0, 0.5]),
+        ("queue-scorer", [endpoint("a:1", waiting=3), endpoint("b:1", waiting=3)], [1.0, 1.0]),
+        ("queue-scorer", [endpoint("a:1", waiting=1), endpoint("b:1", observed_at=None)], [1.0, 1.0]),
+        ("kv-cache-utilization-scorer", [endpoint("a:1", kv_usage=0.25), endpoint("b:1", kv_usage=1.0)],
+         [0.75, 0.0]),
+        ("kv-cache-utilization-scorer", [endpoint("a:1", observed_at=None)], [0.0]),
+        ("running-requests-size-scorer", [endpoint("a:1", running=8), endpoint("b:1", running=0)], [0.0, 1.0]),
+        ("active-request-scorer", [endpoint("a:1", in_flight=4), endpoint("b:1", in_flight=2)], [0.0, 1.0]),
+        ("token-load-scorer", [endpoint("a:1", in_flight_tokens=8192), endpoint("b:1", in_flight_tokens=40000)],
+         [0.5, 0.0]),
+    ],
+)
+def test_scorers(type_name: str, endpoints: list, expected: list[float]) -> None:  # type: ignore[type-arg]
+    scorer = make(type_name)
+    assert list(scorer.score(state(), chat_request(), endpoints)) == pytest.approx(expected)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("max_age", "ages", "kept"),
+    [
+        ("2s", [0.0, 1.9, 2.5], ["e0:1", "e1:1"]),
+        ("100ms", [0.05, 0.2, 0.0], ["e0:1", "e2:1"]),
+        (0.5, [1.0, 2.0, 3.0], []),
+    ],
+)
+def test_staleness_filter(max_age: object, ages: list[float], kept: list[str]) -> None:
+    f = make("metrics-staleness-filter", {"maxAge": max_age})
+    eps = [endpoint(f"e{i}:1", observed_at=NOW - a) for i, a in enumerate(ages)]
+    assert [e.id for e in f.filter(state(), chat_request(), eps)] == kept  # type: ignore[attr-defined]
+
+
+def test_staleness_filter_drops_never_scraped() -> None:
+    f = make("metrics-staleness-filter")
+    eps = [endpoint("a:1", observed_at=None), endpoint("b:1")]
+    assert [e.id for e in f.filter(state(), chat_request(), eps)] == ["b:1"]  # type: ignore[attr-defined]
+
+
+def scored(*pairs: tuple[str, float]) -> list[ScoredEndpoint]:
+    return [ScoredEndpoint(endpoint(a), s) for a, s in pairs]
+
+
+def test_max_score_picker_takes_the_best_and_fallbacks_in_order() -> None:
+    picker = make("max-score-picker", {"maxNumOfEndpoints": 2})
+    got = picker.pick(state(), chat_request(), scored(("a:1", 0.2), ("b:1", 0.9), ("c:1", 0.5)))  # type: ignore[attr-defined]
+    assert got == ["b:1", "c:1"]
+
+
+def test_max_score_picker_breaks_ties_at_random_but_reproducibly() -> None:
+    picker = make("max-score-picker")
+    cands = scored(("a:1", 1.0), ("b:1", 1.0), ("c:1", 1.0), ("d:1", 0.1))
+    st = state(seed=7)
+    picks = Counter(picker.pick(st, chat_request(), cands)[0] for _ in range(300))  # type: ignore[attr-defined]
+    assert set(picks) == {"a:1", "b:1", "c:1"}
+    st2 = state(seed=7)
+    again = Counter(picker.pick(st2, chat_request(), cands)[0] for _ in range(300))  # type: ignore[attr-defined]
+    assert picks == again
+
+
+def test_random_picker_ignores_scores_and_respects_max() -> None:
+    picker = make("random-picker", {"maxNumOfEndpoints": 3})
+    st = state(seed=1)
+    cands = scored(("a:1", 0.0), ("b:1", 0.0), ("c:1", 5.0), ("d:1", 0.0))
+    seen: set[str] = set()
+    for _ in range(100):
+        got = picker.pick(st, chat_request(), cands)  # type: ignore[attr-defined]
+        assert len(got) == 3 and len(set(got)) == 3
+        seen.add(got[0])
+    assert seen == {"a:1", "b:1", "c:1", "d:1"}
+
+
+def test_round_robin_cycles_and_skips_missing_endpoints() -> None:
+    picker = make("round-robin-picker")
+    cands = scored(("b:1", 0), ("a:1", 0), ("c:1", 0))
+    got = [picker.pick(state(), chat_request(), cands)[0] for _ in range(4)]  # type: ignore[attr-defined]
+    assert got == ["a:1", "b:1", "c:1", "a:1"]
+    without_b = scored(("a:1", 0), ("c:1", 0))
+    assert picker.pick(state(), chat_request(), without_b) == ["c:1"]  # type: ignore[attr-defined]
+    assert picker.pick(state(), chat_request(), without_b) == ["a:1"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("type_name", "params", "field"),
+    [
+        ("max-score-picker", {"maxNumOfEndpoints": 0}, "maxNumOfEndpoints"),
+        ("max-score-picker", {"maxNumOfEndpoints": "2"}, "maxNumOfEndpoints"),
+        ("random-picker", {"bogus": 1}, "bogus"),
+        ("metrics-staleness-filter", {"maxAge": "soon"}, "maxAge"),
+        ("token-load-scorer", {"queueThresholdTokens": -5}, "queueThresholdTokens"),
+        ("queue-scorer", {"anything": True}, "anything"),
+    ],
+)
+def test_bad_parameters_name_the_field(type_name: str, params: dict[str, object], field: str) -> None:
+    from epp.scheduling.registry import PluginParamsError
+
+    with pytest.raises(PluginParamsError) as err:
+        make(type_name, params)
+    assert err.value.field == field
+
+
+def test_registry_is_an_instance_not_a_global() -> None:
+    from epp.scheduling.plugins.queue_scorer import SPEC
+
+    r1 = default_registry()
+    r2 = default_registry()
+    assert r1 is not r2
+    with pytest.raises(ValueError, match="already registered"):
+        r1.register(SPEC)

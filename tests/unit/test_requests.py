@@ -1,0 +1,98 @@
+"""Parsing OpenAI-style requests: what is accepted, and the 400s for what is not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epp.requests import RequestError, api_kind_of, build_request, parse_body
+from epp.types import ApiKind
+
+CHAT = {":path": "/v1/chat/completions", "x-request-id": "abc"}
+COMPL = {":path": "/v1/completions"}
+
+
+def req(headers: dict[str, str], body: object, objectives: dict[str, int] | None = None) -> object:
+    raw = json.dumps(body).encode()
+    return build_request(headers, parse_body(raw), objectives or {}, len(raw))
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/v1/chat/completions", ApiKind.CHAT_COMPLETIONS),
+        ("/v1/completions?x=1", ApiKind.COMPLETIONS),
+        ("/v1/embeddings", ApiKind.EMBEDDINGS),
+        ("/v1/responses/", ApiKind.RESPONSES),
+        ("/healthz", ApiKind.OTHER),
+    ],
+)
+def test_api_kind_from_path(path: str, kind: ApiKind) -> None:
+    assert api_kind_of(path) is kind
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "prompt", "tokens"),
+    [
+        (COMPL, {"model": "m", "prompt": "abcdefgh"}, "abcdefgh", 2),
+        (COMPL, {"model": "m", "prompt": [1, 2, 3]}, [1, 2, 3], 3),
+        (COMPL, {"model": "m", "prompt": ["ab", "cd"]}, "abcd", 1),
+        (COMPL, {"model": "m", "prompt": [[1, 2], [3]]}, [1, 2, 3], 3),
+    ],
+)
+def test_completions_prompts(headers: dict[str, str], body: object, prompt: object, tokens: int) -> None:
+    r = req(headers, body)
+    assert r.prompt == prompt  # type: ignore[attr-defined]
+    assert r.prompt_tokens_estimate == tokens  # type: ignore[attr-defined]
+
+
+def test_chat_request_fields() -> None:
+    r = req(
+        {**CHAT, "x-gateway-inference-objective": "batch"},
+        {"model": "llama", "messages": [{"role": "user", "content": "x" * 40}], "stream": True, "max_tokens": 7},
+        {"batch": -2},
+    )
+    assert r.api_kind is ApiKind.CHAT_COMPLETIONS  # type: ignore[attr-defined]
+    assert r.model == "llama" and r.stream and r.max_tokens == 7  # type: ignore[attr-defined]
+    assert r.request_id == "abc" and r.priority == -2 and r.sheddable  # type: ignore[attr-defined]
+    assert r.prompt_tokens_estimate == 10  # type: ignore[attr-defined]
+
+
+def test_unknown_objective_has_priority_zero_and_request_id_is_generated() -> None:
+    r = req({":path": "/v1/chat/completions", "x-gateway-inference-objective": "nope"},
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.priority == 0  # type: ignore[attr-defined]
+    assert len(r.request_id) == 36  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("headers", "raw", "needle"),
+    [
+        (CHAT, b"", "empty"),
+        (CHAT, b"{not json", "not valid JSON"),
+        (CHAT, b"[1,2]", "JSON object"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "x"}]}', "'model'"),
+        (CHAT, b'{"model": 5, "messages": []}', "'model'"),
+        (CHAT, b'{"model": "m"}', "'messages'"),
+        (CHAT, b'{"model": "m", "messages": []}', "'messages'"),
+        (CHAT, b'{"model": "m", "messages": [{"content": "x"}]}', "messages[0]"),
+        (CHAT, b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+        (COMPL, b'{"model": "m"}', "'prompt' or 'messages'"),
+        (COMPL, b'{"model": "m", "prompt": 12}', "'prompt'"),
+        (COMPL, b'{"model": "m", "prompt": [1, "a"]}', "'prompt'"),
+        (COMPL, b'{"model": "m", "prompt": "x", "stream": "yes"}', "'stream'"),
+        (COMPL, b'{"model": "m", "prompt": "x", "max_tokens": -1}', "'max_tokens'"),
+        (COMPL, b'\xff\xfe{"model"', "not valid JSON"),
+    ],
+)
+def test_bad_bodies_are_400_with_a_clear_message(headers: dict[str, str], raw: bytes, needle: str) -> None:
+    with pytest.raises(RequestError) as err:
+        build_request(headers, parse_body(raw), {}, len(raw))
+    assert err.value.status == 400
+    assert needle in err.value.message
+
+
+def test_header_only_request_has_no_model() -> None:
+    r = build_request({":path": "/v1/models"}, None, {})
+    assert r.model == "" and r.api_kind is ApiKind.OTHER

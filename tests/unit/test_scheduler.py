@@ -1,0 +1,115 @@
+"""The scheduler end to end on the pure core: config -> profile -> decision."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epp.config import build_scheduler, default_config, parse_config
+from epp.scheduling.builtin import default_registry
+from epp.scheduling.errors import AllFilteredError, NoEndpointsError, PoolSaturatedError
+from epp.scheduling.scheduler import Scheduler
+from epp.testing.fakes import FakeClock, chat_request, endpoint
+
+NOW = 1000.0
+
+
+def scheduler(yaml_text: str | None = None, seed: int = 0, clock: FakeClock | None = None) -> Scheduler:
+    cfg = default_config() if yaml_text is None else parse_config(yaml_text, "test.yaml")
+    return build_scheduler(cfg, default_registry(), clock or FakeClock(NOW), random.Random(seed))
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "winner"),
+    [
+        ([endpoint("a:1", waiting=5, kv_usage=0.5), endpoint("b:1", waiting=0, kv_usage=0.5)], "b:1"),
+        ([endpoint("a:1", waiting=1, kv_usage=0.9), endpoint("b:1", waiting=1, kv_usage=0.1)], "b:1"),
+        ([endpoint("a:1", in_flight=0), endpoint("b:1", in_flight=3)], "a:1"),
+        # queue (weight 2) outweighs a modest KV difference (weight 2 * 0.3)
+        ([endpoint("a:1", waiting=0, kv_usage=0.6), endpoint("b:1", waiting=4, kv_usage=0.3)], "a:1"),
+        # the stale endpoint is filtered even though it looks idle
+        ([endpoint("a:1", observed_at=NOW - 5), endpoint("b:1", waiting=3, kv_usage=0.7)], "b:1"),
+    ],
+)
+def test_default_profile_is_load_aware(endpoints: list, winner: str) -> None:  # type: ignore[type-arg]
+    result = scheduler().schedule(chat_request(), endpoints)
+    assert result.decision.primary == winner
+    assert result.decision.profile == "default"
+
+
+def test_scores_are_the_weighted_sum_of_clamped_scores() -> None:
+    s = scheduler()
+    d = s.schedule(chat_request(), [endpoint("a:1", waiting=0, kv_usage=0.25), endpoint("b:1", waiting=2)]).decision
+    # a: queue 1*2 + kv 0.75*2 + active 1*1 = 4.5 ; b: 0 + 1*2 + 1 = 3
+    assert d.scores == pytest.approx({"a:1": 4.5, "b:1": 3.0})
+
+
+def test_no_candidates_is_503_and_all_filtered_is_429() -> None:
+    s = scheduler()
+    with pytest.raises(NoEndpointsError) as e1:
+        s.schedule(chat_request(), [])
+    assert e1.value.status == 503
+    with pytest.raises(AllFilteredError) as e2:
+        s.schedule(chat_request(), [endpoint("a:1", observed_at=None)])
+    assert e2.value.status == 429
+
+
+@pytest.mark.parametrize(
+    ("eps", "priority", "shed"),
+    [
+        ([endpoint("a:1", waiting=9)], -1, True),
+        ([endpoint("a:1", kv_usage=0.95)], -1, True),
+        ([endpoint("a:1", waiting=9), endpoint("b:1", waiting=0)], -1, False),
+        ([endpoint("a:1", waiting=9)], 0, False),
+        ([endpoint("a:1", waiting=9)], 5, False),
+    ],
+)
+def test_sheddable_requests_are_refused_by_a_saturated_pool(eps: list, priority: int, shed: bool) -> None:  # type: ignore[type-arg]
+    s = scheduler()
+    req = chat_request(priority=priority)
+    if shed:
+        with pytest.raises(PoolSaturatedError):
+            s.schedule(req, eps)
+    else:
+        assert s.schedule(req, eps).decision.primary
+
+
+def test_same_seed_same_picks() -> None:
+    eps = [endpoint(f"10.0.0.{i}:80") for i in range(8)]
+    s1, s2 = scheduler(seed=3), scheduler(seed=3)
+    a = [s1.schedule(chat_request(), eps).decision.primary for _ in range(50)]
+    b = [s2.schedule(chat_request(), eps).decision.primary for _ in range(50)]
+    assert a == b
+    assert len(set(a)) > 1
+
+
+ROUND_ROBIN = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: round-robin-picker
+  parameters: {maxNumOfEndpoints: 2}
+schedulingProfiles:
+- name: rr
+  plugins:
+  - pluginRef: round-robin-picker
+"""
+
+
+def test_a_profile_without_scorers_uses_its_picker_and_reports_fallbacks() -> None:
+    s = scheduler(ROUND_ROBIN)
+    eps = [endpoint("a:1"), endpoint("b:1"), endpoint("c:1")]
+    got = [s.schedule(chat_request(), eps).decision.endpoints for _ in range(3)]
+    assert got == [("a:1", "b:1"), ("b:1", "c:1"), ("c:1", "a:1")]
+
+
+def test_plugin_timings_are_reported_with_a_timer() -> None:
+    clock = FakeClock(NOW)
+    cfg = default_config()
+    s = build_scheduler(cfg, default_registry(), clock, random.Random(0), timer=clock)
+    result = s.schedule(chat_request(), [endpoint("a:1")])
+    points = [(t[0], t[1]) for t in result.timings]
+    assert ("Filter", "metrics-staleness-filter") in points
+    assert ("Scorer", "queue-scorer") in points
+    assert ("Picker", "max-score-picker") in points
