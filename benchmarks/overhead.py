@@ -72,7 +72,12 @@ async def wait_http(url: str, timeout: float = 20.0) -> None:
 
 
 async def run_load(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], rate: float, seconds: float
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    rate: float,
+    seconds: float,
 ) -> tuple[list[float], int]:
     """Open loop: request i starts at i / rate. Returns (latencies in seconds, errors)."""
     n = int(rate * seconds)
@@ -117,56 +122,100 @@ async def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         port_file = tmp / "backends"
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "epp.testing.backend", "--count", str(args.endpoints), "--port-file",
-             str(port_file)], stdout=subprocess.DEVNULL,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "epp.testing.backend",
+                    "--count",
+                    str(args.endpoints),
+                    "--port-file",
+                    str(port_file),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
+        )
         addresses = (await wait_file(port_file)).split()
         grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
         epp = subprocess.Popen(
-            [sys.executable, "-m", "epp", "serve", "--endpoints", ",".join(addresses), "--host", "127.0.0.1",
-             "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
-             "--metrics-port", str(metrics_port), "--secure-serving=false", "--log-level", "warning"],
+            [
+                sys.executable,
+                "-m",
+                "epp",
+                "serve",
+                "--endpoints",
+                ",".join(addresses),
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(grpc_port),
+                "--grpc-health-port",
+                str(health_port),
+                "--metrics-port",
+                str(metrics_port),
+                "--secure-serving=false",
+                "--log-level",
+                "warning",
+            ],
         )
         procs.append(epp)
         await wait_http(f"http://127.0.0.1:{metrics_port}/readyz")
-        direct = EnvoyProcess(EnvoyConfig(ext_proc=False), concurrency=1)
-        routed = EnvoyProcess(EnvoyConfig(epp_port=grpc_port), concurrency=1)
-        await direct.start()
-        await routed.start()
+        trivial_port = free_port()
+        trivial = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "trivial_ext_proc.py"),
+                "--port",
+                str(trivial_port),
+                "--destination",
+                addresses[0],
+            ],
+        )
+        procs.append(trivial)
+        envoys = {
+            "direct": EnvoyProcess(EnvoyConfig(ext_proc=False), concurrency=1),
+            "trivial": EnvoyProcess(EnvoyConfig(epp_port=trivial_port), concurrency=1),
+            "epp": EnvoyProcess(EnvoyConfig(epp_port=grpc_port), concurrency=1),
+            "trivial-reqonly": EnvoyProcess(
+                EnvoyConfig(epp_port=trivial_port, response_body_mode="NONE"), concurrency=1
+            ),
+            "epp-reqonly": EnvoyProcess(
+                EnvoyConfig(epp_port=grpc_port, response_body_mode="NONE"), concurrency=1
+            ),
+        }
+        for env in envoys.values():
+            await env.start()
         bodies = {"4KB": chat_body(4096), "100KB": chat_body(100 * 1024)}
-        scenarios = [(kind, size) for size in bodies for kind in ("direct", "epp")]
+        scenarios = [(kind, size) for size in bodies for kind in envoys]
         results: dict[tuple[str, str], dict[str, list[float]]] = {
             s: {"p50": [], "p99": [], "errors": [], "cpu": []} for s in scenarios
         }
+        fixed = {"content-type": "application/json", "x-gateway-destination-endpoint": addresses[0]}
         connector = aiohttp.TCPConnector(limit=0, force_close=False)
         async with aiohttp.ClientSession(connector=connector) as session:
-            # Warm up both paths.
-            for kind, size in scenarios:
-                env = direct if kind == "direct" else routed
-                hdr = {"content-type": "application/json", "x-gateway-destination-endpoint": addresses[0]}
-                await run_load(session, f"{env.url}/v1/chat/completions", bodies[size], hdr, args.rate, 1.0)
+            for kind, size in scenarios:  # warm up every path
+                url = f"{envoys[kind].url}/v1/chat/completions"
+                await run_load(session, url, bodies[size], fixed, args.rate, 1.0)
             idle0, t_idle = cpu_seconds(epp.pid), time.perf_counter()
             await asyncio.sleep(2.0)
             idle_rate = (cpu_seconds(epp.pid) - idle0) / (time.perf_counter() - t_idle)
             for _ in range(args.rounds):
                 for kind, size in scenarios:
-                    env = direct if kind == "direct" else routed
-                    hdr = {"content-type": "application/json"}
-                    if kind == "direct":
-                        hdr["x-gateway-destination-endpoint"] = addresses[0]
-                    c0, t0 = cpu_seconds(epp.pid), time.perf_counter()
-                    lat, errors = await run_load(
-                        session, f"{env.url}/v1/chat/completions", bodies[size], hdr, args.rate, args.seconds
-                    )
-                    dc, dt = cpu_seconds(epp.pid) - c0, time.perf_counter() - t0
+                    url = f"{envoys[kind].url}/v1/chat/completions"
+                    hdr = fixed if kind == "direct" else {"content-type": "application/json"}
+                    server = epp if kind.startswith("epp") else trivial
+                    c0, t0 = cpu_seconds(server.pid), time.perf_counter()
+                    lat, errors = await run_load(session, url, bodies[size], hdr, args.rate, args.seconds)
+                    dc, dt = cpu_seconds(server.pid) - c0, time.perf_counter() - t0
+                    idle = idle_rate if server is epp else 0.0
                     r = results[(kind, size)]
                     r["p50"].append(pct(lat, 0.5) * 1e3)
                     r["p99"].append(pct(lat, 0.99) * 1e3)
                     r["errors"].append(errors)
-                    r["cpu"].append(max(0.0, dc - idle_rate * dt) / max(1, len(lat)) * 1e3)
-        await direct.stop()
-        await routed.stop()
+                    r["cpu"].append(max(0.0, dc - idle * dt) / max(1, len(lat)) * 1e3)
+        for env in envoys.values():
+            await env.stop()
     finally:
         for p in procs:
             p.terminate()
@@ -174,27 +223,45 @@ async def main() -> None:
             p.wait(timeout=10)
 
     med = statistics.median
-    print(f"\nEPP overhead through Envoy: {args.endpoints} endpoints, {args.rate:.0f} req/s open loop, "
-          f"{args.rounds} rounds x {args.seconds:.0f} s per scenario; medians over rounds")
-    print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}")
-    print(f"EPP idle CPU (scrapes of {args.endpoints} endpoints every 50 ms): {idle_rate * 100:.1f}% of a core\n")
-    print(f"{'body':>6} {'direct p50':>11} {'epp p50':>9} {'added p50':>10} {'direct p99':>11} {'epp p99':>9} "
-          f"{'added p99':>10} {'EPP CPU/req':>12} {'errors':>7}")
-    out = {}
+    print(
+        f"\nEPP overhead through Envoy 1.40: {args.endpoints} endpoints, {args.rate:.0f} req/s open loop, "
+        f"{args.rounds} rounds x {args.seconds:.0f} s per scenario, medians over rounds"
+    )
+    print(
+        f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; "
+        " EPP: plaintext gRPC, default profile"
+    )
+    print(
+        f"EPP idle CPU (scrapes of {args.endpoints} endpoints every 50 ms): {idle_rate * 100:.1f}% of a core"
+    )
+    print("direct = no ext_proc; trivial = fixed-destination echo ext_proc (the Python floor);")
+    print("*-reqonly = response_body_mode NONE (request path + response headers)")
+    print("CPU/req = CPU time of the ext_proc process per request (EPP: minus its idle scraping)\n")
+    print(
+        f"{'body':>6} {'path':>16} {'p50':>8} {'added p50':>10} {'p99':>8} {'added p99':>10} "
+        f"{'CPU/req':>12} {'errors':>7}"
+    )
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for size in bodies:
-        d, e = results[("direct", size)], results[("epp", size)]
-        row = {
-            "direct_p50_ms": med(d["p50"]), "epp_p50_ms": med(e["p50"]),
-            "added_p50_ms": med([b - a for a, b in zip(d["p50"], e["p50"], strict=True)]),
-            "direct_p99_ms": med(d["p99"]), "epp_p99_ms": med(e["p99"]),
-            "added_p99_ms": med([b - a for a, b in zip(d["p99"], e["p99"], strict=True)]),
-            "epp_cpu_ms_per_request": med(e["cpu"]), "errors": sum(d["errors"]) + sum(e["errors"]),
-        }
-        out[size] = row
-        print(f"{size:>6} {row['direct_p50_ms']:>9.2f}ms {row['epp_p50_ms']:>7.2f}ms {row['added_p50_ms']:>8.2f}ms "
-              f"{row['direct_p99_ms']:>9.2f}ms {row['epp_p99_ms']:>7.2f}ms {row['added_p99_ms']:>8.2f}ms "
-              f"{row['epp_cpu_ms_per_request']:>10.3f}ms {row['errors']:>7}")
-    print("\ntargets: added p50 <= 1.0 ms and p99 <= 3 ms (4KB); added p50 <= 2.5 ms (100KB)")
+        d = results[("direct", size)]
+        out[size] = {}
+        for kind in envoys:
+            r = results[(kind, size)]
+            row = {
+                "p50_ms": med(r["p50"]),
+                "p99_ms": med(r["p99"]),
+                "added_p50_ms": med([b - a for a, b in zip(d["p50"], r["p50"], strict=True)]),
+                "added_p99_ms": med([b - a for a, b in zip(d["p99"], r["p99"], strict=True)]),
+                "ext_proc_cpu_ms_per_request": med(r["cpu"]) if kind != "direct" else float("nan"),
+                "errors": float(sum(r["errors"])),
+            }
+            out[size][kind] = row
+            cpu = f"{row['ext_proc_cpu_ms_per_request']:>10.3f}ms" if kind != "direct" else f"{'':>12}"
+            print(
+                f"{size:>6} {kind:>16} {row['p50_ms']:>6.2f}ms {row['added_p50_ms']:>8.2f}ms "
+                f"{row['p99_ms']:>6.2f}ms {row['added_p99_ms']:>8.2f}ms {cpu} {int(row['errors']):>7}"
+            )
+    print("\ntargets (epp vs direct): added p50 <= 1.0 ms and p99 <= 3 ms (4KB); added p50 <= 2.5 ms (100KB)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

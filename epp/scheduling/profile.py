@@ -33,12 +33,6 @@ class ProfileResult:
     scores: dict[EndpointId, float]
 
 
-def _clamp(x: float) -> float:
-    if x != x:  # NaN scores count as 0
-        return 0.0
-    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
-
-
 class SchedulerProfile:
     def __init__(
         self,
@@ -82,7 +76,8 @@ class SchedulerProfile:
                 )
             w = ws.weight
             for i, s in enumerate(scores):
-                totals[i] += _clamp(s) * w
+                # clamp to [0, 1]; NaN counts as 0 (inlined: this is the hot loop)
+                totals[i] += (1.0 if s > 1.0 else s if s >= 0.0 else 0.0) * w
         scored = [ScoredEndpoint(ep, totals[i]) for i, ep in enumerate(current)]
         t0 = timer.now() if timer else 0.0
         picked = self.picker.pick(state, request, scored)

@@ -65,30 +65,30 @@ class Director:
         m = self.metrics
         m.scheduler_duration.observe(t1 - t0)
         for point, ptype, pname, seconds in result.timings:
-            m.plugin_duration.labels(point, ptype, pname).observe(seconds)
+            m.plugin_duration(point, ptype, pname).observe(seconds)
         decision = result.decision
-        m.picks.labels(decision.primary, decision.profile, decision.reason).inc()
-        m.requests.labels(request.model, request.model).inc()
-        m.running.labels(request.model).inc()
+        m.picks(decision.primary, decision.profile, decision.reason).inc()
+        m.requests(request.model, request.model).inc()
+        m.running(request.model).inc()
         ticket = self.datastore.begin(decision.primary, request.prompt_tokens_estimate)
         return RoutedRequest(request, decision, ticket, t1)
 
     def reject(self, status: int, code: str, model: str = "") -> None:
-        self.metrics.rejections.labels(str(status), code).inc()
+        self.metrics.rejections(str(status), code).inc()
         if model:
-            self.metrics.request_errors.labels(model, model, code).inc()
+            self.metrics.request_errors(model, model, code).inc()
 
     def on_response_status(self, routed: RoutedRequest, status: int) -> None:
         routed.status = status
         if not 200 <= status < 300:
-            self.metrics.backend_errors.labels(routed.decision.primary, str(status)).inc()
+            self.metrics.backend_errors(routed.decision.primary, str(status)).inc()
             model = routed.request.model
-            self.metrics.request_errors.labels(model, model, f"ModelServerError{status}").inc()
+            self.metrics.request_errors(model, model, f"ModelServerError{status}").inc()
 
     def on_first_byte(self, routed: RoutedRequest) -> None:
         if routed.first_byte_at is None:
             routed.first_byte_at = now = self.clock.now()
-            self.metrics.ttfb.labels(routed.decision.primary).observe(now - routed.routed_at)
+            self.metrics.ttfb(routed.decision.primary).observe(now - routed.routed_at)
 
     def finish(self, routed: RoutedRequest, cause: str, usage: Usage | None = None) -> None:
         """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect."""
@@ -96,16 +96,16 @@ class Director:
             return
         m = self.metrics
         model = routed.request.model
-        m.released.labels(cause).inc()
-        m.running.labels(model).dec()
-        m.request_duration.labels(model, model).observe(self.clock.now() - routed.routed_at)
+        m.released(cause).inc()
+        m.running(model).dec()
+        m.request_duration(model, model).observe(self.clock.now() - routed.routed_at)
         if usage is not None:
             ep = routed.decision.primary
-            m.input_tokens.labels(model, model).observe(usage.prompt_tokens)
-            m.output_tokens.labels(model, model).observe(usage.completion_tokens)
-            m.usage_tokens.labels(ep, "prompt").inc(usage.prompt_tokens)
-            m.usage_tokens.labels(ep, "cached").inc(usage.cached_tokens)
-            m.usage_tokens.labels(ep, "completion").inc(usage.completion_tokens)
+            m.input_tokens(model, model).observe(usage.prompt_tokens)
+            m.output_tokens(model, model).observe(usage.completion_tokens)
+            m.usage_tokens(ep, "prompt").inc(usage.prompt_tokens)
+            m.usage_tokens(ep, "cached").inc(usage.cached_tokens)
+            m.usage_tokens(ep, "completion").inc(usage.completion_tokens)
 
 
 __all__ = ["Director", "RequestError", "RoutedRequest"]

@@ -7,6 +7,7 @@ Names follow the reference EPP where the meaning matches (`inference_objective_*
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -14,6 +15,25 @@ from prometheus_client.registry import Collector
 
 from epp.clock import Clock
 from epp.datastore import Datastore
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class Children(Generic[M]):
+    """`metric.labels(...)` looked up once per label set: the hot path then costs a dict get."""
+
+    __slots__ = ("_cache", "metric")
+
+    def __init__(self, metric: M) -> None:
+        self.metric: M = metric
+        self._cache: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *labels: str) -> M:
+        child = self._cache.get(labels)
+        if child is None:
+            child = self._cache[labels] = self.metric.labels(*labels)
+        return child
+
 
 _LATENCY_BUCKETS = (
     0.00005,
@@ -83,42 +103,40 @@ class _PoolCollector(Collector):
 
 
 class EppMetrics:
+    """Every metric the server records. Labelled ones are `Children`: call with label values."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry(auto_describe=True)
-        r = self.registry
-        model_labels = ["model_name", "target_model_name"]
-        self.requests = Counter(
-            "inference_objective_request_total", "Requests received", model_labels, registry=r
-        )
-        self.request_errors = Counter(
+        self.registry = r = registry or CollectorRegistry(auto_describe=True)
+        models = ["model_name", "target_model_name"]
+
+        def counter(name: str, doc: str, labels: list[str]) -> Children[Counter]:
+            return Children(Counter(name, doc, labels, registry=r))
+
+        def histogram(
+            name: str, doc: str, labels: list[str], buckets: tuple[float, ...]
+        ) -> Children[Histogram]:
+            return Children(Histogram(name, doc, labels, buckets=buckets, registry=r))
+
+        self.requests = counter("inference_objective_request_total", "Requests received", models)
+        self.request_errors = counter(
             "inference_objective_request_error_total",
             "Requests that ended in an error",
-            [*model_labels, "error_code"],
-            registry=r,
+            [*models, "error_code"],
         )
-        self.request_duration = Histogram(
+        self.request_duration = histogram(
             "inference_objective_request_duration_seconds",
             "From routing to the end of the response",
-            model_labels,
-            buckets=_REQUEST_BUCKETS,
-            registry=r,
+            models,
+            _REQUEST_BUCKETS,
         )
-        self.input_tokens = Histogram(
-            "inference_objective_input_tokens",
-            "Prompt tokens (from usage)",
-            model_labels,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+        self.input_tokens = histogram(
+            "inference_objective_input_tokens", "Prompt tokens (from usage)", models, _TOKEN_BUCKETS
         )
-        self.output_tokens = Histogram(
-            "inference_objective_output_tokens",
-            "Completion tokens (from usage)",
-            model_labels,
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+        self.output_tokens = histogram(
+            "inference_objective_output_tokens", "Completion tokens (from usage)", models, _TOKEN_BUCKETS
         )
-        self.running = Gauge(
-            "inference_objective_running_requests", "Requests in flight", ["model_name"], registry=r
+        self.running = Children(
+            Gauge("inference_objective_running_requests", "Requests in flight", ["model_name"], registry=r)
         )
         self.scheduler_duration = Histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
@@ -126,61 +144,50 @@ class EppMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.plugin_duration = Histogram(
+        self.plugin_duration = histogram(
             "inference_extension_plugin_duration_seconds",
             "Time spent in one plugin call",
             ["extension_point", "plugin_type", "plugin_name"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.picks = Counter(
+        self.picks = counter(
             "epp_picks_total",
             "Primary picks per endpoint, profile and reason",
             ["endpoint", "profile", "reason"],
-            registry=r,
         )
-        self.rejections = Counter(
+        self.rejections = counter(
             "epp_rejections_total",
             "Requests answered by the EPP itself, by status and code",
             ["status", "code"],
-            registry=r,
         )
-        self.ttfb = Histogram(
+        self.ttfb = histogram(
             "epp_time_to_first_byte_seconds",
             "From routing to the first response body byte, per endpoint",
             ["endpoint"],
-            buckets=_REQUEST_BUCKETS,
-            registry=r,
+            _REQUEST_BUCKETS,
         )
-        self.usage_tokens = Counter(
+        self.usage_tokens = counter(
             "epp_usage_tokens_total",
             "Tokens reported in responses' usage, per endpoint and kind (prompt, cached, completion)",
             ["endpoint", "kind"],
-            registry=r,
         )
-        self.backend_errors = Counter(
+        self.backend_errors = counter(
             "epp_backend_errors_total",
             "Responses with a non-2xx status, per endpoint and status",
             ["endpoint", "status"],
-            registry=r,
         )
-        self.released = Counter(
+        self.released = counter(
             "epp_requests_released_total",
             "In-flight releases by cause (complete, error, disconnect)",
             ["cause"],
-            registry=r,
         )
-        self.scrapes = Counter(
-            "epp_metrics_scrapes_total",
-            "Metric scrapes by endpoint and outcome",
-            ["endpoint", "outcome"],
-            registry=r,
+        self.scrapes = counter(
+            "epp_metrics_scrapes_total", "Metric scrapes by endpoint and outcome", ["endpoint", "outcome"]
         )
-        self.scrape_errors = Counter(
+        self.scrape_errors = counter(
             "epp_metrics_scrape_errors_total",
             "Failed metric scrapes by endpoint and kind",
             ["endpoint", "kind"],
-            registry=r,
         )
 
     def attach_pool(self, datastore: Datastore, clock: Clock, pool_name: str) -> None:
@@ -188,6 +195,6 @@ class EppMetrics:
 
     # ScrapeObserver
     def on_scrape(self, endpoint_id: str, ok: bool, error_kind: str | None, seconds: float) -> None:
-        self.scrapes.labels(endpoint_id, "ok" if ok else "error").inc()
+        self.scrapes(endpoint_id, "ok" if ok else "error").inc()
         if not ok:
-            self.scrape_errors.labels(endpoint_id, error_kind or "unknown").inc()
+            self.scrape_errors(endpoint_id, error_kind or "unknown").inc()

@@ -108,7 +108,9 @@ async def stack(
     await epp.start()
     envoy_cfg = replace(envoy or EnvoyConfig(), epp_port=epp.grpc_port, epp_tls=settings.secure_serving)
     if override_host:
-        envoy_cfg = replace(envoy_cfg, pool="override_host", pool_endpoints=tuple(b.address for b in backends))
+        envoy_cfg = replace(
+            envoy_cfg, pool="override_host", pool_endpoints=tuple(b.address for b in backends)
+        )
     proc = EnvoyProcess(envoy_cfg)
     try:
         await proc.start()

@@ -133,8 +133,14 @@ schedulingProfiles:
 async def test_an_internal_error_is_500_and_the_server_keeps_serving() -> None:
     registry = default_registry()
     registry.register(PluginSpec("exploding-scorer", "scorer", NoParams, lambda n, p, h: _Exploding()))
-    settings = ServerSettings(host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0,
-                              secure_serving=False, refresh_metrics_interval=0)
+    settings = ServerSettings(
+        host="127.0.0.1",
+        grpc_port=0,
+        grpc_health_port=0,
+        metrics_port=0,
+        secure_serving=False,
+        refresh_metrics_interval=0,
+    )
     epp = EppServer(settings, parse_config(EXPLODING, "x.yaml"), registry=registry)
     from epp.testing.backend import FakeModelServer
     from epp.testing.envoy import EnvoyProcess
@@ -191,7 +197,7 @@ async def test_client_disconnect_mid_stream_releases_in_flight_state() -> None:
 
 async def test_client_disconnect_before_body_end_leaks_nothing() -> None:
     async with stack(1) as st:
-        reader, writer = await asyncio.open_connection("127.0.0.1", st.envoy.listener_port)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", st.envoy.listener_port)
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b"content-length: 100000\r\n\r\n" + b'{"model": "fake-model", "messages": [' + b" " * 5000
@@ -220,8 +226,10 @@ async def test_backend_with_failing_metrics_stops_receiving_traffic_and_returns(
         sick.metrics_mode = "ok"
         st.backend("pod-1").waiting = 10
         await eventually(
-            lambda: st.epp.datastore.get(sick.address).healthy  # type: ignore[union-attr]
-            and st.epp.datastore.get(st.backend("pod-1").address).metrics.waiting == 10,  # type: ignore[union-attr]
+            lambda: (
+                st.epp.datastore.get(sick.address).healthy  # type: ignore[union-attr]
+                and st.epp.datastore.get(st.backend("pod-1").address).metrics.waiting == 10
+            ),  # type: ignore[union-attr]
             "sick backend healthy again",
         )
         assert (await st.chat())[1] == "pod-0"
@@ -255,12 +263,11 @@ schedulingProfiles:
 
 
 async def test_grpc_health_serves_every_name() -> None:
-    async with stack(1) as st:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{st.epp.grpc_health_port}") as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            for name in ("", "liveness", "readiness", SERVICE_NAME):
-                resp = await stub.Check(health_pb2.HealthCheckRequest(service=name))
-                assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
-            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    async with stack(1) as st, grpc.aio.insecure_channel(f"127.0.0.1:{st.epp.grpc_health_port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "liveness", "readiness", SERVICE_NAME):
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -71,14 +71,24 @@ VARIANTS: dict[str, EnvoyConfig] = {
     "subset-hint-header": EnvoyConfig(subset_hint_from_header=HINT_HEADER),
     "subset-hint-static": EnvoyConfig(subset_hint_static=("127.0.0.1:8000", "127.0.0.1:8001")),
     "subset-hint-both-tls-buffered": EnvoyConfig(
-        epp_tls=True, request_body_mode="BUFFERED", subset_hint_from_header=HINT_HEADER,
-        subset_hint_static=("127.0.0.1:8000",)),
-    "tuned": EnvoyConfig(message_timeout_s=300, route_timeout_s=0, connect_timeout_s=0.5,
-                         per_connection_buffer_limit_bytes=8 << 20, failure_mode_allow=True),
-    "override-host": EnvoyConfig(pool="override_host", pool_endpoints=("127.0.0.1:8000", "127.0.0.1:8001"),
-                                 retries=2),
-    "override-host-direct": EnvoyConfig(ext_proc=False, pool="override_host",
-                                        pool_endpoints=("127.0.0.1:8000",)),
+        epp_tls=True,
+        request_body_mode="BUFFERED",
+        subset_hint_from_header=HINT_HEADER,
+        subset_hint_static=("127.0.0.1:8000",),
+    ),
+    "tuned": EnvoyConfig(
+        message_timeout_s=300,
+        route_timeout_s=0,
+        connect_timeout_s=0.5,
+        per_connection_buffer_limit_bytes=8 << 20,
+        failure_mode_allow=True,
+    ),
+    "override-host": EnvoyConfig(
+        pool="override_host", pool_endpoints=("127.0.0.1:8000", "127.0.0.1:8001"), retries=2
+    ),
+    "override-host-direct": EnvoyConfig(
+        ext_proc=False, pool="override_host", pool_endpoints=("127.0.0.1:8000",)
+    ),
 }
 
 
@@ -96,8 +106,11 @@ def test_bootstrap_shape() -> None:
     boot = render_bootstrap(EnvoyConfig(subset_hint_from_header=HINT_HEADER))
     hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
-    assert names == ["envoy.filters.http.header_to_metadata", "envoy.filters.http.ext_proc",
-                     "envoy.filters.http.router"]
+    assert names == [
+        "envoy.filters.http.header_to_metadata",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
     ext = hcm["http_filters"][1]["typed_config"]
     assert ext["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert ext["processing_mode"]["request_trailer_mode"] == "SEND"
@@ -124,7 +137,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def sse_events(text: str) -> list[str]:
-    return [block[len("data: "):] for block in text.split("\n\n") if block.startswith("data: ")]
+    return [block[len("data: ") :] for block in text.split("\n\n") if block.startswith("data: ")]
 
 
 async def test_direct_routes_to_named_backend(
@@ -134,8 +147,11 @@ async def test_direct_routes_to_named_backend(
         for round_ in range(2):
             for i, target in enumerate(backends):
                 path = "/v1/completions" if round_ == 0 else "/v1/chat/completions"
-                body: dict[str, Any] = {"model": "m", "prompt": f"hello {i}"} if round_ == 0 else {
-                    "model": "m", "messages": [{"role": "user", "content": f"hello {i}"}]}
+                body: dict[str, Any] = (
+                    {"model": "m", "prompt": f"hello {i}"}
+                    if round_ == 0
+                    else {"model": "m", "messages": [{"role": "user", "content": f"hello {i}"}]}
+                )
                 async with session.post(envoy.url + path, json=body, headers={DEST: target.address}) as r:
                     assert r.status == 200
                     assert r.headers["x-served-by"] == target.name
@@ -150,8 +166,11 @@ async def test_direct_routes_to_named_backend(
 
         # A 5 MB body arrives intact on exactly the named backend.
         big = json.dumps({"model": "m", "prompt": "x" * 5_000_000}).encode()
-        async with session.post(envoy.url + "/v1/completions", data=big,
-                                headers={DEST: backends[2].address, "content-type": "application/json"}) as r:
+        async with session.post(
+            envoy.url + "/v1/completions",
+            data=big,
+            headers={DEST: backends[2].address, "content-type": "application/json"},
+        ) as r:
             assert r.status == 200 and r.headers["x-served-by"] == backends[2].name
         last = backends[2].requests[-1]
         assert last.body_len == len(big)
@@ -160,17 +179,23 @@ async def test_direct_routes_to_named_backend(
 
         # An SSE stream arrives whole, with the usage chunk and [DONE].
         backends[1].num_chunks = 6
-        stream_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                       "stream_options": {"include_usage": True}}
-        async with session.post(envoy.url + "/v1/chat/completions", json=stream_body,
-                                headers={DEST: backends[1].address}) as r:
+        stream_body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with session.post(
+            envoy.url + "/v1/chat/completions", json=stream_body, headers={DEST: backends[1].address}
+        ) as r:
             assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
             events = sse_events(await r.text())
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert len(chunks) == 7 and all(c["served_by"] == backends[1].name for c in chunks)
         assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1]) == "".join(
-            f"tok{i} " for i in range(6))
+            f"tok{i} " for i in range(6)
+        )
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
         # No destination header: ORIGINAL_DST has no host and Envoy answers 503 itself.
@@ -185,8 +210,11 @@ async def test_fake_metrics_modes(session: aiohttp.ClientSession) -> None:
         async with session.get(f"{srv.url}/metrics") as r:
             assert r.status == 200
             text = await r.text()
-        samples = {(s.name, s.labels.get("model_name")): s for f in text_string_to_metric_families(text)
-                   for s in f.samples}
+        samples = {
+            (s.name, s.labels.get("model_name")): s
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
         assert samples[("vllm:num_requests_waiting", "tiny")].value == 3
         assert samples[("vllm:num_requests_running", "tiny")].value == 2
         assert samples[("vllm:kv_cache_usage_perc", "tiny")].value == 0.25
@@ -246,8 +274,9 @@ async def test_fake_server_basics(session: aiohttp.ClientSession) -> None:
             assert r.status == 200
         async with session.post(f"{srv.url}/v1/completions", data=b"not json") as r:
             assert r.status == 400 and r.headers["x-served-by"] == "solo"
-        async with session.post(f"{srv.url}/v1/completions",
-                                json={"model": "m", "prompt": "p", "stream": True}) as r:
+        async with session.post(
+            f"{srv.url}/v1/completions", json={"model": "m", "prompt": "p", "stream": True}
+        ) as r:
             events = sse_events(await r.text())
         assert len(events) == 4 and events[-1] == "[DONE]"  # no usage chunk unless include_usage
         assert srv.requests[0].json is None
@@ -257,7 +286,8 @@ async def test_fake_server_basics(session: aiohttp.ClientSession) -> None:
 async def test_backend_cli(tmp_path: Path, session: aiohttp.ClientSession) -> None:
     port_file = tmp_path / "ports"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "epp.testing.backend", "--count", "3", "--port-file", str(port_file))
+        sys.executable, "-m", "epp.testing.backend", "--count", "3", "--port-file", str(port_file)
+    )
     try:
         for _ in range(200):
             if port_file.exists() or proc.returncode is not None:
@@ -286,14 +316,18 @@ class MiniProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _route(dest: str | None) -> pb.CommonResponse:
         common = pb.CommonResponse(clear_route_cache=dest is not None)
         if dest is not None:
-            common.header_mutation.set_headers.append(base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=DEST, raw_value=dest.encode())))
+            common.header_mutation.set_headers.append(
+                base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DEST, raw_value=dest.encode()))
+            )
         return common
 
     @staticmethod
     def _echo(body: bytes, end: bool) -> pb.CommonResponse:
-        return pb.CommonResponse(body_mutation=pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=end)))
+        return pb.CommonResponse(
+            body_mutation=pb.BodyMutation(
+                streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=end)
+            )
+        )
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -313,18 +347,25 @@ class MiniProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             elif kind == "request_body":
                 body += req.request_body.body
                 if req.request_body.end_of_stream:  # deferred headers response, then the echoed body
-                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=self._route(
-                        self.pick(md))))
+                    yield pb.ProcessingResponse(
+                        request_headers=pb.HeadersResponse(response=self._route(self.pick(md)))
+                    )
                     data, step = bytes(body), 62_000
                     for i in range(0, max(len(data), 1), step):
-                        yield pb.ProcessingResponse(request_body=pb.BodyResponse(
-                            response=self._echo(data[i:i + step], i + step >= len(data))))
+                        yield pb.ProcessingResponse(
+                            request_body=pb.BodyResponse(
+                                response=self._echo(data[i : i + step], i + step >= len(data))
+                            )
+                        )
             elif kind == "response_headers":
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             elif kind == "response_body":
                 rb = req.response_body
-                yield pb.ProcessingResponse(response_body=pb.BodyResponse(
-                    response=None if self.buffered else self._echo(rb.body, rb.end_of_stream)))
+                yield pb.ProcessingResponse(
+                    response_body=pb.BodyResponse(
+                        response=None if self.buffered else self._echo(rb.body, rb.end_of_stream)
+                    )
+                )
             elif kind == "request_trailers":
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif kind == "response_trailers":
@@ -342,11 +383,19 @@ def self_signed() -> tuple[bytes, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "epp")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now)
-            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
-    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return pem_key, cert.public_bytes(serialization.Encoding.PEM)
 
 
@@ -371,8 +420,13 @@ async def test_ext_proc_duplex_and_subset_hints(
 
     proc = MiniProcessor(pick)
     server, port = await run_processor(proc, tls)
-    cfg = EnvoyConfig(epp_port=port, epp_tls=tls, subset_hint_from_header=HINT_HEADER,
-                      subset_hint_static=(backends[1].address,), message_timeout_s=10)
+    cfg = EnvoyConfig(
+        epp_port=port,
+        epp_tls=tls,
+        subset_hint_from_header=HINT_HEADER,
+        subset_hint_static=(backends[1].address,),
+        message_timeout_s=10,
+    )
     try:
         async with EnvoyProcess(cfg) as envoy:
             req = {"model": "m", "prompt": "hi"}
@@ -380,16 +434,18 @@ async def test_ext_proc_duplex_and_subset_hints(
                 assert r.status == 200 and r.headers["x-served-by"] == backends[1].name
             assert hint_of(proc.metadata[-1]) == [backends[1].address]  # static hint: a list
             header_hint = f"{backends[0].address},{backends[2].address}"
-            async with session.post(envoy.url + "/v1/completions", json=req,
-                                    headers={HINT_HEADER: header_hint}) as r:
+            async with session.post(
+                envoy.url + "/v1/completions", json=req, headers={HINT_HEADER: header_hint}
+            ) as r:
                 assert r.status == 200 and r.headers["x-served-by"] == backends[2].name
             raw = proc.metadata[-1]["filterMetadata"][SUBSET_HINT_NAMESPACE][SUBSET_HINT_KEY]
             assert raw == header_hint  # header hint: one comma-joined string, overriding the static one
             assert HINT_HEADER not in backends[2].requests[-1].headers  # the header itself is removed
 
             big = json.dumps({"model": "m", "prompt": "y" * 5_000_000}).encode()
-            async with session.post(envoy.url + "/v1/completions", data=big,
-                                    headers={"content-type": "application/json"}) as r:
+            async with session.post(
+                envoy.url + "/v1/completions", data=big, headers={"content-type": "application/json"}
+            ) as r:
                 assert r.status == 200 and r.headers["x-served-by"] == backends[1].name
             assert backends[1].requests[-1].body_sha256 == hashlib.sha256(big).hexdigest()
     finally:
@@ -401,8 +457,9 @@ async def test_ext_proc_buffered_routes_and_limits(
 ) -> None:
     proc = MiniProcessor(lambda md: backends[2].address, buffered=True)
     server, port = await run_processor(proc)
-    cfg = EnvoyConfig(epp_port=port, request_body_mode="BUFFERED", response_body_mode="NONE",
-                      message_timeout_s=10)
+    cfg = EnvoyConfig(
+        epp_port=port, request_body_mode="BUFFERED", response_body_mode="NONE", message_timeout_s=10
+    )
     try:
         async with EnvoyProcess(cfg) as envoy:
             ok = json.dumps({"model": "m", "prompt": "z" * 500_000}).encode()

@@ -26,7 +26,8 @@ async def test_requests_follow_the_epps_load_aware_choice(mode: str) -> None:
         st.backend("pod-2").waiting = 0
         await eventually(
             lambda: all(
-                r.metrics is not None and r.metrics.waiting == (0 if r.id == st.backend("pod-2").address else 20)
+                r.metrics is not None
+                and r.metrics.waiting == (0 if r.id == st.backend("pod-2").address else 20)
                 for r in st.epp.datastore.records()
             ),
             "new queue lengths scraped",
@@ -41,8 +42,10 @@ async def test_requests_follow_the_epps_load_aware_choice(mode: str) -> None:
         st.backend("pod-2").waiting = 30
         st.backend("pod-0").waiting = 0
         await eventually(
-            lambda: st.epp.datastore.get(st.backend("pod-2").address).metrics.waiting == 30  # type: ignore[union-attr]
-            and st.epp.datastore.get(st.backend("pod-0").address).metrics.waiting == 0,  # type: ignore[union-attr]
+            lambda: (
+                st.epp.datastore.get(st.backend("pod-2").address).metrics.waiting == 30  # type: ignore[union-attr]
+                and st.epp.datastore.get(st.backend("pod-0").address).metrics.waiting == 0
+            ),  # type: ignore[union-attr]
             "flipped queue lengths scraped",
         )
         status, by, _ = await st.chat()
@@ -66,7 +69,9 @@ async def test_body_reaches_the_backend_intact(mode: str) -> None:
 
 async def test_a_5mb_body_in_duplex_mode() -> None:
     async with stack(2) as st:
-        raw = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}).encode()
+        raw = json.dumps(
+            {**CHAT, "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}
+        ).encode()
         status, by, _ = await st.chat(data=raw, headers={"content-type": "application/json"})
         assert status == 200
         got = st.backend(by or "").requests[-1]
@@ -76,7 +81,9 @@ async def test_a_5mb_body_in_duplex_mode() -> None:
 
 async def test_buffered_mode_body_over_envoys_buffer_gets_413_from_envoy() -> None:
     async with stack(1, envoy=EnvoyConfig(request_body_mode="BUFFERED")) as st:
-        raw = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024)}]}).encode()
+        raw = json.dumps(
+            {**CHAT, "messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024)}]}
+        ).encode()
         status, by, _ = await st.chat(data=raw, headers={"content-type": "application/json"})
         assert (status, by) == (413, None)
         assert (await st.chat())[0] == 200
@@ -85,7 +92,7 @@ async def test_buffered_mode_body_over_envoys_buffer_gets_413_from_envoy() -> No
 async def test_streamed_sse_response_arrives_whole_and_usage_is_recorded() -> None:
     async with stack(1, backend_kwargs={"num_chunks": 6}) as st:
         body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
-        status, by, text = await st.chat(body)
+        status, _by, text = await st.chat(body)
         assert status == 200
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -93,7 +100,10 @@ async def test_streamed_sse_response_arrives_whole_and_usage_is_recorded() -> No
         assert usage["completion_tokens"] > 0
         await st.wait_idle()
         ep = st.backends[0].address
-        assert await st.metric("epp_usage_tokens_total", endpoint=ep, kind="completion") == usage["completion_tokens"]
+        assert (
+            await st.metric("epp_usage_tokens_total", endpoint=ep, kind="completion")
+            == usage["completion_tokens"]
+        )
         assert await st.metric("epp_usage_tokens_total", endpoint=ep, kind="prompt") == usage["prompt_tokens"]
         assert await st.metric("epp_time_to_first_byte_seconds_count", endpoint=ep) == 1
 
@@ -136,8 +146,10 @@ async def test_fallback_endpoints_are_listed_in_order_after_the_primary() -> Non
         st.backend("pod-1").waiting = 0
         st.backend("pod-2").waiting = 4
         await eventually(
-            lambda: st.epp.datastore.get(st.backend("pod-0").address).metrics.waiting == 9  # type: ignore[union-attr]
-            and st.epp.datastore.get(st.backend("pod-2").address).metrics.waiting == 4,  # type: ignore[union-attr]
+            lambda: (
+                st.epp.datastore.get(st.backend("pod-0").address).metrics.waiting == 9  # type: ignore[union-attr]
+                and st.epp.datastore.get(st.backend("pod-2").address).metrics.waiting == 4
+            ),  # type: ignore[union-attr]
             "queues scraped",
         )
         status, by, _ = await st.chat()
@@ -160,8 +172,12 @@ async def test_debug_and_health_endpoints() -> None:
         assert sorted(e["address"] for e in doc["endpoints"]) == sorted(b.address for b in st.backends)
         assert all(e["healthy"] and e["metrics"]["models"] == ["fake-model"] for e in doc["endpoints"])
         _, metrics = await st.admin("/metrics")
-        for name in ("inference_pool_ready_pods", "inference_extension_scheduler_e2e_duration_seconds",
-                     "epp_endpoint_in_flight_requests", "epp_endpoint_metrics_age_seconds"):
+        for name in (
+            "inference_pool_ready_pods",
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "epp_endpoint_in_flight_requests",
+            "epp_endpoint_metrics_age_seconds",
+        ):
             assert name in metrics
         assert await st.metric("inference_pool_ready_pods", name="default") == 2
 

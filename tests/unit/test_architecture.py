@@ -21,9 +21,17 @@ PURE = [
 ]
 FORBIDDEN_MODULES = {"asyncio", "grpc", "aiohttp", "zmq", "prometheus_client", "kubernetes_asyncio", "time"}
 FORBIDDEN_CALLS = {
-    ("random", "random"), ("random", "choice"), ("random", "shuffle"), ("random", "randint"),
-    ("random", "randrange"), ("random", "sample"), ("random", "uniform"), ("time", "time"),
-    ("time", "monotonic"), ("time", "perf_counter"), ("datetime", "now"),
+    ("random", "random"),
+    ("random", "choice"),
+    ("random", "shuffle"),
+    ("random", "randint"),
+    ("random", "randrange"),
+    ("random", "sample"),
+    ("random", "uniform"),
+    ("time", "time"),
+    ("time", "monotonic"),
+    ("time", "perf_counter"),
+    ("datetime", "now"),
 }
 
 
@@ -57,8 +65,14 @@ def test_pure_module_has_no_io_clock_or_global_random(path: pathlib.Path) -> Non
 
 @pytest.mark.parametrize(
     "source",
-    ["import asyncio", "from grpc import aio", "import zmq.asyncio", "x = time.monotonic()",
-     "random.shuffle(x)", "from prometheus_client import Counter"],
+    [
+        "import asyncio",
+        "from grpc import aio",
+        "import zmq.asyncio",
+        "x = time.monotonic()",
+        "random.shuffle(x)",
+        "from prometheus_client import Counter",
+    ],
 )
 def test_the_scanner_catches_violations(source: str) -> None:
     assert violations(source)

@@ -11,7 +11,9 @@ from epp.scheduling.builtin import default_registry
 from epp.testing.fakes import FakeClock
 
 HEAD = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-GOOD = HEAD + """\
+GOOD = (
+    HEAD
+    + """\
 plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
@@ -36,6 +38,7 @@ objectives:
 - {name: batch, priority: -1}
 - {name: interactive, priority: 10}
 """
+)
 
 
 def build(text: str) -> object:
@@ -60,34 +63,83 @@ def test_reference_style_config_is_accepted() -> None:
     [
         (HEAD.replace("v1alpha1", "v9") + "plugins: []\n", "", "apiVersion"),
         (HEAD.replace("EndpointPickerConfig", "Other"), "", "kind"),
-        (HEAD + "plugins:\n- type: no-such-scorer\nschedulingProfiles: [{name: d}]\n", "no-such-scorer", "type"),
-        (HEAD + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoint: 2}\n"
-         "schedulingProfiles: [{name: d}]\n", "max-score-picker", "parameters.maxNumOfEndpoint"),
-        (HEAD + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: -1}\n"
-         "schedulingProfiles: [{name: d}]\n", "max-score-picker", "parameters.maxNumOfEndpoints"),
-        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
-         "  - {pluginRef: queue-scorer, weight: -1}\n", "queue-scorer", "weight"),
-        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
-         "  - {pluginRef: queue-scorer, weight: .nan}\n", "queue-scorer", "weight"),
-        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
-         "  - {pluginRef: queue-scorer, weight: heavy}\n", "plugins[0]", "weight"),
-        (HEAD + "plugins:\n- type: max-score-picker\nschedulingProfiles:\n- name: d\n  plugins:\n"
-         "  - {pluginRef: max-score-picker, weight: 2}\n", "max-score-picker", "weight"),
-        (HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
-         "  - {pluginRef: missing}\n", "missing", "pluginRef"),
-        (HEAD + "plugins:\n- type: queue-scorer\n- type: queue-scorer\nschedulingProfiles: [{name: d}]\n",
-         "queue-scorer", "name"),
+        (
+            HEAD + "plugins:\n- type: no-such-scorer\nschedulingProfiles: [{name: d}]\n",
+            "no-such-scorer",
+            "type",
+        ),
+        (
+            HEAD + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoint: 2}\n"
+            "schedulingProfiles: [{name: d}]\n",
+            "max-score-picker",
+            "parameters.maxNumOfEndpoint",
+        ),
+        (
+            HEAD + "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: -1}\n"
+            "schedulingProfiles: [{name: d}]\n",
+            "max-score-picker",
+            "parameters.maxNumOfEndpoints",
+        ),
+        (
+            HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+            "  - {pluginRef: queue-scorer, weight: -1}\n",
+            "queue-scorer",
+            "weight",
+        ),
+        (
+            HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+            "  - {pluginRef: queue-scorer, weight: .nan}\n",
+            "queue-scorer",
+            "weight",
+        ),
+        (
+            HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+            "  - {pluginRef: queue-scorer, weight: heavy}\n",
+            "plugins[0]",
+            "weight",
+        ),
+        (
+            HEAD + "plugins:\n- type: max-score-picker\nschedulingProfiles:\n- name: d\n  plugins:\n"
+            "  - {pluginRef: max-score-picker, weight: 2}\n",
+            "max-score-picker",
+            "weight",
+        ),
+        (
+            HEAD + "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: d\n  plugins:\n"
+            "  - {pluginRef: missing}\n",
+            "missing",
+            "pluginRef",
+        ),
+        (
+            HEAD + "plugins:\n- type: queue-scorer\n- type: queue-scorer\nschedulingProfiles: [{name: d}]\n",
+            "queue-scorer",
+            "name",
+        ),
         (HEAD + "plugins: []\nschedulingProfiles: []\n", "schedulingProfiles", ""),
         (HEAD + "plugins: []\nschedulingProfiles: [{name: a}, {name: b}]\n", "schedulingProfiles", ""),
         (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsurprise: 1\n", "", "surprise"),
-        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nendpoints: [not-an-ip:80]\n", "endpoints[0]",
-         "address"),
-        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nendpoints: ['10.0.0.1:99999']\n", "endpoints[0]",
-         "address"),
-        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsaturationDetector: {kvCacheUtilThreshold: 2}\n",
-         "saturationDetector", "kvCacheUtilThreshold"),
-        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsaturationDetector: "
-         "{metricsStalenessThreshold: never}\n", "saturationDetector", "metricsStalenessThreshold"),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nendpoints: [not-an-ip:80]\n",
+            "endpoints[0]",
+            "address",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nendpoints: ['10.0.0.1:99999']\n",
+            "endpoints[0]",
+            "address",
+        ),
+        (
+            HEAD
+            + "plugins: []\nschedulingProfiles: [{name: d}]\nsaturationDetector: {kvCacheUtilThreshold: 2}\n",
+            "saturationDetector",
+            "kvCacheUtilThreshold",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsaturationDetector: "
+            "{metricsStalenessThreshold: never}\n",
+            "saturationDetector",
+            "metricsStalenessThreshold",
+        ),
         ("plugins: [\n", "", ""),
         ("- just\n- a list\n", "", ""),
     ],

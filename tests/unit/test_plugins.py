@@ -27,17 +27,30 @@ def state(seed: int = 0) -> CycleState:
     ("type_name", "endpoints", "expected"),
     [
         ("queue-scorer", [endpoint("a:1", waiting=0), endpoint("b:1", waiting=10)], [1.0, 0.0]),
-        ("queue-scorer", [endpoint("a:1", waiting=2), endpoint("b:1", waiting=4), endpoint("c:1", waiting=3)],
-         [1.0, 0.0, 0.5]),
+        (
+            "queue-scorer",
+            [endpoint("a:1", waiting=2), endpoint("b:1", waiting=4), endpoint("c:1", waiting=3)],
+            [1.0, 0.0, 0.5],
+        ),
         ("queue-scorer", [endpoint("a:1", waiting=3), endpoint("b:1", waiting=3)], [1.0, 1.0]),
         ("queue-scorer", [endpoint("a:1", waiting=1), endpoint("b:1", observed_at=None)], [1.0, 1.0]),
-        ("kv-cache-utilization-scorer", [endpoint("a:1", kv_usage=0.25), endpoint("b:1", kv_usage=1.0)],
-         [0.75, 0.0]),
+        (
+            "kv-cache-utilization-scorer",
+            [endpoint("a:1", kv_usage=0.25), endpoint("b:1", kv_usage=1.0)],
+            [0.75, 0.0],
+        ),
         ("kv-cache-utilization-scorer", [endpoint("a:1", observed_at=None)], [0.0]),
-        ("running-requests-size-scorer", [endpoint("a:1", running=8), endpoint("b:1", running=0)], [0.0, 1.0]),
+        (
+            "running-requests-size-scorer",
+            [endpoint("a:1", running=8), endpoint("b:1", running=0)],
+            [0.0, 1.0],
+        ),
         ("active-request-scorer", [endpoint("a:1", in_flight=4), endpoint("b:1", in_flight=2)], [0.0, 1.0]),
-        ("token-load-scorer", [endpoint("a:1", in_flight_tokens=8192), endpoint("b:1", in_flight_tokens=40000)],
-         [0.5, 0.0]),
+        (
+            "token-load-scorer",
+            [endpoint("a:1", in_flight_tokens=8192), endpoint("b:1", in_flight_tokens=40000)],
+            [0.5, 0.0],
+        ),
     ],
 )
 def test_scorers(type_name: str, endpoints: list, expected: list[float]) -> None:  # type: ignore[type-arg]

@@ -50,7 +50,12 @@ def test_completions_prompts(headers: dict[str, str], body: object, prompt: obje
 def test_chat_request_fields() -> None:
     r = req(
         {**CHAT, "x-gateway-inference-objective": "batch"},
-        {"model": "llama", "messages": [{"role": "user", "content": "x" * 40}], "stream": True, "max_tokens": 7},
+        {
+            "model": "llama",
+            "messages": [{"role": "user", "content": "x" * 40}],
+            "stream": True,
+            "max_tokens": 7,
+        },
         {"batch": -2},
     )
     assert r.api_kind is ApiKind.CHAT_COMPLETIONS  # type: ignore[attr-defined]
@@ -60,8 +65,10 @@ def test_chat_request_fields() -> None:
 
 
 def test_unknown_objective_has_priority_zero_and_request_id_is_generated() -> None:
-    r = req({":path": "/v1/chat/completions", "x-gateway-inference-objective": "nope"},
-            {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    r = req(
+        {":path": "/v1/chat/completions", "x-gateway-inference-objective": "nope"},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.priority == 0  # type: ignore[attr-defined]
     assert len(r.request_id) == 36  # type: ignore[attr-defined]
 

@@ -40,7 +40,9 @@ def test_default_profile_is_load_aware(endpoints: list, winner: str) -> None:  #
 
 def test_scores_are_the_weighted_sum_of_clamped_scores() -> None:
     s = scheduler()
-    d = s.schedule(chat_request(), [endpoint("a:1", waiting=0, kv_usage=0.25), endpoint("b:1", waiting=2)]).decision
+    d = s.schedule(
+        chat_request(), [endpoint("a:1", waiting=0, kv_usage=0.25), endpoint("b:1", waiting=2)]
+    ).decision
     # a: queue 1*2 + kv 0.75*2 + active 1*1 = 4.5 ; b: 0 + 1*2 + 1 = 3
     assert d.scores == pytest.approx({"a:1": 4.5, "b:1": 3.0})
 
@@ -113,3 +115,47 @@ def test_plugin_timings_are_reported_with_a_timer() -> None:
     assert ("Filter", "metrics-staleness-filter") in points
     assert ("Scorer", "queue-scorer") in points
     assert ("Picker", "max-score-picker") in points
+
+
+class _Fixed:
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+
+    @property
+    def name(self) -> str:
+        return "fixed"
+
+    def score(self, state: object, request: object, endpoints: object) -> list[float]:
+        return self.values
+
+
+def test_scores_are_clamped_and_nan_counts_as_zero() -> None:
+    from epp.scheduling.framework import CycleState
+    from epp.scheduling.plugins.max_score_picker import MaxScorePicker
+    from epp.scheduling.profile import SchedulerProfile, WeightedScorer
+
+    profile = SchedulerProfile(
+        "p",
+        [],
+        [WeightedScorer(_Fixed([float("nan"), -3.0, 7.0, 0.5]), 2.0, "fixed")],
+        MaxScorePicker("m", 1),
+        "max-score-picker",
+    )
+    eps = [endpoint(f"e{i}:1") for i in range(4)]
+    result = profile.run(CycleState(now=NOW, rng=random.Random(0)), chat_request(), eps)
+    assert result.scores == {"e0:1": 0.0, "e1:1": 0.0, "e2:1": 2.0, "e3:1": 1.0}
+    assert result.endpoints == ["e2:1"]
+
+
+def test_a_scorer_returning_the_wrong_number_of_scores_is_an_error() -> None:
+    from epp.scheduling.framework import CycleState
+    from epp.scheduling.plugins.max_score_picker import MaxScorePicker
+    from epp.scheduling.profile import SchedulerProfile, WeightedScorer
+
+    profile = SchedulerProfile(
+        "p", [], [WeightedScorer(_Fixed([1.0]), 1.0, "fixed")], MaxScorePicker("m", 1), "max-score-picker"
+    )
+    with pytest.raises(RuntimeError, match="returned 1 scores for 2 endpoints"):
+        profile.run(
+            CycleState(now=NOW, rng=random.Random(0)), chat_request(), [endpoint("a:1"), endpoint("b:1")]
+        )

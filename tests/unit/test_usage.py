@@ -6,7 +6,12 @@ import pytest
 
 from epp.usage import MAX_JSON_BODY, Usage, UsageReader
 
-USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15, "prompt_tokens_details": {"cached_tokens": 8}}
+USAGE = {
+    "prompt_tokens": 12,
+    "completion_tokens": 3,
+    "total_tokens": 15,
+    "prompt_tokens_details": {"cached_tokens": 8},
+}
 
 
 def sse(*events: object) -> bytes:
