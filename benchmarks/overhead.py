@@ -115,6 +115,7 @@ async def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="per scenario per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--endpoints", type=int, default=16)
+    ap.add_argument("--scrape-interval", default="50ms", help="the EPP's --refresh-metrics-interval")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -155,6 +156,8 @@ async def main() -> None:
                 "--metrics-port",
                 str(metrics_port),
                 "--secure-serving=false",
+                "--refresh-metrics-interval",
+                args.scrape_interval,
                 "--log-level",
                 "warning",
             ],

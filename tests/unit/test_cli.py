@@ -1,0 +1,74 @@
+"""The `epp` command line: every bad input is a clear error and a non-zero exit."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from epp.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_check_config_accepts_the_example(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(ROOT / "examples" / "epp.yaml")]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_check_config_names_the_problem(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+        "plugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 0}\n"
+        "schedulingProfiles: [{name: d, plugins: [{pluginRef: max-score-picker}]}]\n"
+    )
+    assert main(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "max-score-picker" in err and "maxNumOfEndpoints" in err
+
+
+def test_plugins_lists_the_builtins(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    for name in ("queue-scorer", "kv-cache-utilization-scorer", "max-score-picker", "round-robin-picker"):
+        assert name in out
+
+
+def test_serve_without_endpoints_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve"]) == 2
+    assert "no endpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["serve", "--endpoints", "10.0.0.1"], "is not ip:port"),
+        (["serve", "--endpoints", "host.example:80"], "is not an IP address"),
+        (["serve", "--endpoints", "10.0.0.1:80", "--grpc-port", "70000"], "port out of range"),
+        (["serve", "--endpoints", "10.0.0.1:80", "--secure-serving=maybe"], "expected true or false"),
+        (["serve", "--endpoints", "10.0.0.1:80", "--refresh-metrics-interval", "soon"], "not a duration"),
+        (["serve", "--endpoints", "10.0.0.1:80", "--max-body-size", "lots"], "not a size"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", "/nonexistent.yaml"]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+
+
+def test_bad_cert_path_fails_before_serving(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["serve", "--endpoints", "127.0.0.1:1", "--cert-path", str(tmp_path), "--host", "127.0.0.1"]
+    args += ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
+    assert main(args) == 1
+    assert "tls.crt" in capsys.readouterr().err
