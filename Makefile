@@ -27,6 +27,7 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/request_path.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/overhead.py
 
 clean:
