@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import signal
@@ -22,6 +23,7 @@ from epp.config import (
     parse_endpoint_address,
 )
 from epp.durations import parse_duration
+from epp.kvindex.prompt import TokenizerError
 from epp.scheduling.builtin import default_registry
 
 
@@ -53,6 +55,13 @@ def _endpoints(text: str) -> list[StaticEndpoint]:
     if not out:
         raise argparse.ArgumentTypeError("--endpoints needs at least one ip:port")
     return out
+
+
+def _tokenizer(text: str) -> tuple[str, str]:
+    model, sep, path = text.partition("=")
+    if not sep or not model or not path:
+        raise argparse.ArgumentTypeError(f"expected MODEL=DIR, got {text!r}")
+    return model, path
 
 
 def _port(text: str) -> int:
@@ -124,6 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="serve /debug/* on the metrics port (default true)",
     )
+    s.add_argument(
+        "--kv-events-mode",
+        choices=["per-pod", "central", "off"],
+        help="receive engine KV events: per-pod SUB sockets, one central bound SUB, or off "
+        "(default: the config's kvEvents.mode, else off)",
+    )
+    s.add_argument("--kv-events-port", type=_port, help="per-pod: the engines' publisher port (default 5557)")
+    s.add_argument("--kv-events-bind", help="central: where to bind, e.g. tcp://*:5557")
+    s.add_argument("--kv-events-replay-port", type=_port, help="per-pod: the engines' replay (ROUTER) port")
+    s.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        type=_tokenizer,
+        metavar="MODEL=DIR",
+        help="local tokenizer directory (tokenizer.json) for a model; repeatable",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
     c.add_argument("file")
@@ -131,8 +157,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(path: str | None) -> EppConfig:
-    return load_config(path) if path else default_config()
+def _load(args: argparse.Namespace) -> EppConfig:
+    """The config file (or the built-in default), with the KV-event and tokenizer flags applied over it."""
+    if args.config:
+        cfg = load_config(args.config)
+    else:
+        cfg = default_config(kv_events=args.kv_events_mode not in (None, "off"))
+    kv = cfg.kv_events
+    overrides: dict[str, object] = {}
+    for flag, field in (
+        ("kv_events_mode", "mode"),
+        ("kv_events_port", "port"),
+        ("kv_events_bind", "bind"),
+        ("kv_events_replay_port", "replay_port"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[field] = value
+    kv = dataclasses.replace(kv, **overrides)  # type: ignore[arg-type]
+    problem = kv.check()
+    if problem is not None:
+        raise ConfigError("flags", "kv events", problem[0], problem[1])
+    tokenizers = {**cfg.tokenizers, **dict(args.tokenizer)}
+    return dataclasses.replace(cfg, kv_events=kv, tokenizers=tokenizers)
 
 
 def _check(cfg: EppConfig) -> None:
@@ -181,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check(load_config(args.file))
             print(f"{args.file}: ok")
             return 0
-        cfg = _load(args.config)
+        cfg = _load(args)
         if args.unhealthy_after < 1:
             raise ConfigError("flags", "", "--unhealthy-after", "must be >= 1")
         if not cfg.endpoints and not args.endpoints:
@@ -194,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(_serve(args, cfg))
     except ConfigError as err:
         print(f"epp: config error: {err}", file=sys.stderr)
+        return 2
+    except TokenizerError as err:
+        print(f"epp: tokenizer error: {err}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as err:
         print(f"epp: {err}", file=sys.stderr)

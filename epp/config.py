@@ -8,6 +8,7 @@ the file, the plugin (or section) and the field, raised at startup.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import random
@@ -81,6 +82,23 @@ class ObjectiveEntry(_Struct):
     priority: int = 0
 
 
+class KvEventsEntry(_Struct):
+    mode: str = "off"
+    port: int = 5557
+    bind: str = "tcp://*:5557"
+    replay_port: int | None = None
+    topic_filters: list[str] = [""]
+    dp_ranks: int = 1
+    replay_timeout: str | float = "2s"
+    replay_retries: int = 2
+    receive_high_water_mark: int = 100_000
+
+
+class IndexEntry(_Struct):
+    block_size: int = 16
+    max_entries: int = 10_000_000
+
+
 class ConfigDoc(_Struct):
     api_version: str
     kind: str
@@ -90,12 +108,58 @@ class ConfigDoc(_Struct):
     endpoints: list[str | EndpointEntry] = []
     objectives: list[ObjectiveEntry] = []
     feature_gates: list[str] = []
+    kv_events: KvEventsEntry | None = None
+    index: IndexEntry | None = None
+    tokenizers: dict[str, str] = {}
 
 
 @dataclass(frozen=True, slots=True)
 class StaticEndpoint:
     address: str
     model: str | None = None
+
+
+KV_EVENT_MODES = ("per-pod", "central", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """How the EPP receives engine KV events (see epp/sources/kv_events.py)."""
+
+    mode: str = "off"
+    port: int = 5557
+    bind: str = "tcp://*:5557"
+    replay_port: int | None = None
+    topic_filters: tuple[str, ...] = ("",)
+    dp_ranks: int = 1
+    replay_timeout: float = 2.0
+    replay_retries: int = 2
+    rcvhwm: int = 100_000
+    sync_interval: float = 0.5
+
+    def check(self) -> tuple[str, str] | None:
+        """(field, message) of the first invalid setting, or None."""
+        if self.mode not in KV_EVENT_MODES:
+            return "mode", f"must be one of {', '.join(KV_EVENT_MODES)}, got {self.mode!r}"
+        if not 0 < self.port < 65536:
+            return "port", f"must be in 1..65535, got {self.port}"
+        if self.replay_port is not None and not 0 < self.replay_port < 65536:
+            return "replayPort", f"must be in 1..65535, got {self.replay_port}"
+        if self.dp_ranks < 1:
+            return "dpRanks", "must be >= 1"
+        if self.replay_retries < 0:
+            return "replayRetries", "must be >= 0"
+        if self.rcvhwm < 1:
+            return "receiveHighWaterMark", "must be >= 1"
+        if self.mode == "central" and not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            return "bind", f"must be a ZeroMQ endpoint such as tcp://*:5557, got {self.bind!r}"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    block_size: int = 16
+    max_entries: int = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +169,9 @@ class EppConfig:
     endpoints: tuple[StaticEndpoint, ...]
     objectives: Mapping[str, int]
     saturation: SaturationDetector
+    kv_events: KvEventsConfig = KvEventsConfig()
+    index: IndexConfig = IndexConfig()
+    tokenizers: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 DEFAULT_CONFIG_YAML = """\
@@ -126,6 +193,29 @@ schedulingProfiles:
   - {pluginRef: active-request-scorer, weight: 1}
   - pluginRef: max-score-picker
 """
+
+DEFAULT_PRECISE_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: metrics-staleness-filter
+  parameters: {maxAge: 2s}
+- type: precise-prefix-cache-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-request-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: metrics-staleness-filter
+  - {pluginRef: precise-prefix-cache-scorer, weight: 3}
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: active-request-scorer, weight: 1}
+  - pluginRef: max-score-picker
+"""
+"""The built-in default when KV events are on: the load-aware profile plus precise prefix scoring."""
 
 _MSGSPEC_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
@@ -194,7 +284,47 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     if sat.queue_depth_threshold < 0:
         raise ConfigError(source, "saturationDetector", "queueDepthThreshold", "must be >= 0")
     saturation = SaturationDetector(sat.queue_depth_threshold, sat.kv_cache_util_threshold, staleness)
-    return EppConfig(source, doc, tuple(endpoints), objectives, saturation)
+    kv = _kv_events(source, doc.kv_events or KvEventsEntry())
+    idx = doc.index or IndexEntry()
+    if idx.block_size < 1:
+        raise ConfigError(source, "index", "blockSize", "must be >= 1")
+    if idx.max_entries < 1:
+        raise ConfigError(source, "index", "maxEntries", "must be >= 1")
+    for model, path in doc.tokenizers.items():
+        if not model or not path:
+            raise ConfigError(source, "tokenizers", model or "<empty>", "needs a model name and a directory")
+    return EppConfig(
+        source,
+        doc,
+        tuple(endpoints),
+        objectives,
+        saturation,
+        kv,
+        IndexConfig(idx.block_size, idx.max_entries),
+        dict(doc.tokenizers),
+    )
+
+
+def _kv_events(source: str, e: KvEventsEntry) -> KvEventsConfig:
+    try:
+        timeout = parse_duration(e.replay_timeout)
+    except ValueError as err:
+        raise ConfigError(source, "kvEvents", "replayTimeout", str(err)) from None
+    kv = KvEventsConfig(
+        e.mode,
+        e.port,
+        e.bind,
+        e.replay_port,
+        tuple(e.topic_filters),
+        e.dp_ranks,
+        timeout,
+        e.replay_retries,
+        e.receive_high_water_mark,
+    )
+    problem = kv.check()
+    if problem is not None:
+        raise ConfigError(source, "kvEvents", problem[0], problem[1])
+    return kv
 
 
 def load_config(path: str) -> EppConfig:
@@ -206,7 +336,9 @@ def load_config(path: str) -> EppConfig:
     return parse_config(text, path)
 
 
-def default_config() -> EppConfig:
+def default_config(kv_events: bool = False) -> EppConfig:
+    if kv_events:
+        return parse_config(DEFAULT_PRECISE_CONFIG_YAML, "<built-in default config with precise prefix>")
     return parse_config(DEFAULT_CONFIG_YAML, "<built-in default config>")
 
 

@@ -138,6 +138,9 @@ def build_request(
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise bad_request("'cache_salt' must be a non-empty string")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
         raise bad_request("'max_tokens' must be a non-negative integer")
@@ -154,4 +157,5 @@ def build_request(
         priority=priority,
         body_bytes=body_bytes,
         prompt_tokens_estimate=tokens,
+        cache_salt=cache_salt,
     )

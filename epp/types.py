@@ -74,6 +74,7 @@ class InferenceRequest:
     priority: int = 0
     body_bytes: int = 0
     prompt_tokens_estimate: int = 0
+    cache_salt: str | None = None
 
     @property
     def sheddable(self) -> bool:

@@ -42,6 +42,7 @@ class AdminServer:
         clock: Clock,
         ready: Callable[[], bool],
         debug_endpoints: bool = True,
+        debug_index: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.datastore = datastore
@@ -51,8 +52,11 @@ class AdminServer:
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
+        self.debug_index = debug_index
         if debug_endpoints:
             self.app.router.add_get("/debug/endpoints", self._endpoints)
+            if debug_index is not None:
+                self.app.router.add_get("/debug/index", self._index)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -82,6 +86,10 @@ class AdminServer:
         if self.ready():
             return web.Response(text="ready\n")
         return web.Response(status=503, text="not ready\n")
+
+    async def _index(self, request: web.Request) -> web.Response:
+        assert self.debug_index is not None
+        return web.json_response(self.debug_index())
 
     async def _endpoints(self, request: web.Request) -> web.Response:
         now = self.clock.now()

@@ -14,13 +14,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from epp.clock import MonotonicClock
 from epp.config import EppConfig, StaticEndpoint, build_scheduler
 from epp.datastore import Datastore
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.ingest import KvIngest
+from epp.kvindex.prompt import TokenizerRegistry
+from epp.kvindex.report import index_report
+from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
 from epp.scheduling.registry import PluginRegistry
 from epp.server.admin import AdminServer
 from epp.server.director import Director
 from epp.server.ext_proc import SERVICE_NAME, ExtProcService
+from epp.server.kv_metrics import KvIndexCollector
 from epp.server.metrics import EppMetrics
 from epp.server.tls import load_cert_dir, self_signed
+from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.metrics_scrape import MetricsScraper
 
 log = logging.getLogger("epp.server")
@@ -69,14 +77,38 @@ class EppServer:
             self.datastore.add_endpoint(ep.address, ep.model)
         self.metrics = EppMetrics()
         self.metrics.attach_pool(self.datastore, self.clock, settings.pool_name)
+        # The KV index and what feeds it (events off: the index stays empty, scorers give 0).
+        kv = config.kv_events
+        self.kv_index = BlockIndex(block_size=config.index.block_size, max_entries=config.index.max_entries)
+        self.freshness = FreshnessTracker()
+        self.kv = KvIndexService(
+            self.kv_index, self.freshness, TokenizerRegistry(config.tokenizers), config.index.block_size
+        )
+        self.ingest = KvIngest(
+            self.kv_index, self.freshness, self._model_of, replay_available=kv.replay_port is not None
+        )
+        self.subscriber = (
+            KvEventSubscriber(self.datastore, self.ingest, self.clock, kv) if kv.mode != "off" else None
+        )
+        self.metrics.registry.register(KvIndexCollector(self.kv, self.ingest, self.clock))
         # Plugins are built (and their parameters validated) here, before anything listens.
         self.scheduler = build_scheduler(
-            config, registry or default_registry(), self.clock, self.rng, timer=self.clock
+            config,
+            registry or default_registry(),
+            self.clock,
+            self.rng,
+            timer=self.clock,
+            services={SERVICE_KEY: self.kv},
         )
         self.director = Director(self.datastore, self.scheduler, self.metrics, self.clock, config.objectives)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.admin = AdminServer(
-            self.metrics, self.datastore, self.clock, self.is_ready, settings.debug_endpoints
+            self.metrics,
+            self.datastore,
+            self.clock,
+            self.is_ready,
+            settings.debug_endpoints,
+            lambda: index_report(self.kv, self.ingest, kv.mode, self.clock.now()),
         )
         self.scraper: MetricsScraper | None = None
         if settings.refresh_metrics_interval > 0:
@@ -94,6 +126,16 @@ class EppServer:
         self.grpc_health_port = 0
         self.metrics_port = 0
         self.certificate_pem: bytes | None = None
+
+    def _model_of(self, pod: str) -> str | None:
+        rec = self.datastore.get(pod)
+        if rec is None:
+            return None
+        if rec.model:
+            return rec.model
+        if rec.metrics is not None and rec.metrics.models:
+            return min(rec.metrics.models)
+        return None
 
     def is_ready(self) -> bool:
         return self._ready
@@ -131,6 +173,8 @@ class EppServer:
         self.metrics_port = await self.admin.start(s.host, s.metrics_port)
         if self.scraper is not None:
             await self.scraper.start()
+        if self.subscriber is not None:
+            await self.subscriber.start()
         self._ready = True
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -149,6 +193,8 @@ class EppServer:
         await self.health.enter_graceful_shutdown()
         if self.scraper is not None:
             await self.scraper.stop()
+        if self.subscriber is not None:
+            await self.subscriber.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._health_server is not None:

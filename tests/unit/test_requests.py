@@ -91,6 +91,7 @@ def test_unknown_objective_has_priority_zero_and_request_id_is_generated() -> No
         (COMPL, b'{"model": "m", "prompt": "x", "stream": "yes"}', "'stream'"),
         (COMPL, b'{"model": "m", "prompt": "x", "max_tokens": -1}', "'max_tokens'"),
         (COMPL, b'\xff\xfe{"model"', "not valid JSON"),
+        (COMPL, b'{"model": "m", "prompt": "x", "cache_salt": 5}', "'cache_salt'"),
     ],
 )
 def test_bad_bodies_are_400_with_a_clear_message(headers: dict[str, str], raw: bytes, needle: str) -> None:

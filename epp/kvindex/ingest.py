@@ -1,0 +1,299 @@
+"""Apply engine KV-event messages to the index, in order, per publisher. Pure.
+
+A publisher is one engine process and data-parallel rank (`(pod, rank)`). The edge hands
+every live message to `on_live`, which decodes it, checks its sequence number and applies
+it, or asks the edge to replay first (`NeedReplay`) and holds the live message until
+`replay_finished`. Replayed messages go through `on_replayed`. Nothing here blocks or
+performs I/O, so the simulator drives the same code with modelled delays.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from epp.kvindex.events import (
+    KNOWN_TIERS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    EventBatch,
+    decode_batch,
+)
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.keys import root_key
+from epp.kvindex.sequence import SeqKind, SequenceTracker
+
+ModelOf = Callable[[str], str | None]
+"""pod -> the model it serves (configured, or from its metrics), when known."""
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    events: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NeedReplay:
+    """The edge should replay from `from_seq` for this publisher, then call `replay_finished`."""
+
+    pod: str
+    rank: int
+    from_seq: int
+
+
+Outcome = Applied | Dropped | NeedReplay
+
+
+@dataclass(slots=True)
+class _Publisher:
+    seq: SequenceTracker = field(default_factory=SequenceTracker)
+    replaying: bool = False
+    restart_pending: bool = False  # a restart is being healed by this replay
+    replay_hole: bool = False  # the replay skipped a seq: it cannot be complete
+    held: deque[tuple[int, EventBatch, str | None]] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class PodCounters:
+    messages: int = 0
+    events: int = 0
+    drops: Counter[str] = field(default_factory=Counter)
+    orphans: int = 0
+    gaps: int = 0
+    restarts: int = 0
+    replays: Counter[str] = field(default_factory=Counter)
+    unknown_tiers: Counter[str] = field(default_factory=Counter)
+    skipped_groups: int = 0
+
+
+def salt_of(extra_keys: tuple[object, ...] | None, cache_salt: str | None) -> str | None:
+    """The tenant salt of a chain's first block: SGLang's `cache_salt`, or the string items of vLLM's
+    `extra_keys[0]` (where vLLM puts the request's cache_salt)."""
+    if cache_salt:
+        return cache_salt
+    if not extra_keys:
+        return None
+    first = extra_keys[0]
+    if isinstance(first, str):
+        return first or None
+    if isinstance(first, list | tuple):
+        parts = [x for x in first if isinstance(x, str)]
+        return "\x00".join(parts) if parts else None
+    return None
+
+
+class KvIngest:
+    def __init__(
+        self,
+        index: BlockIndex,
+        freshness: FreshnessTracker,
+        model_of: ModelOf,
+        *,
+        replay_available: bool = False,
+        max_held: int = 10_000,
+    ) -> None:
+        self.index = index
+        self.freshness = freshness
+        self.model_of = model_of
+        self.replay_available = replay_available
+        self.max_held = max_held
+        self._publishers: dict[tuple[str, int], _Publisher] = {}
+        self.counters: dict[str, PodCounters] = {}
+        self.last_seq: dict[str, int] = {}
+
+    def _counters(self, pod: str) -> PodCounters:
+        c = self.counters.get(pod)
+        if c is None:
+            c = self.counters[pod] = PodCounters()
+        return c
+
+    def drop(self, pod: str, reason: str, now: float) -> Dropped:
+        """Count a message the edge could not even hand over (bad frames, short seq, unknown topic)."""
+        self._counters(pod).drops[reason] += 1
+        self.freshness.problem(pod, now, "malformed" if reason != "overflow" else "dropped")
+        return Dropped(reason)
+
+    # -- live messages -------------------------------------------------------------------
+    def on_live(
+        self,
+        pod: str,
+        rank: int,
+        seq: int,
+        payload: bytes,
+        now: float,
+        topic_model: str | None = None,
+        wall_now: float | None = None,
+    ) -> Outcome:
+        """`wall_now` (seconds since the epoch) measures how late the batch arrived against its `ts`."""
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as err:
+            # The seq still counts as received: the loss shows as `malformed`, not as a gap.
+            self._publisher(pod, rank).seq.advance(seq)
+            return self.drop(pod, err.reason, now)
+        if rank < 0:
+            rank = batch.data_parallel_rank or 0
+        lag = max(0.0, wall_now - batch.ts) if wall_now is not None and batch.ts > 0 else 0.0
+        pub = self._publisher(pod, rank)
+        if pub.replaying:
+            if len(pub.held) >= self.max_held:
+                return self.drop(pod, "overflow", now)
+            pub.held.append((seq, batch, topic_model))
+            return Applied(0)
+        verdict = pub.seq.classify(seq)
+        c = self._counters(pod)
+        if verdict.kind is SeqKind.GAP:
+            c.gaps += 1
+            if self.replay_available:
+                return self._start_replay(pod, rank, pub, verdict.missing_from, seq, batch, topic_model, now)
+            # Lost events may have removed blocks: forget the pod rather than keep phantoms.
+            self.index.clear_pod(pod)
+            self.freshness.gap(pod, now, replaying=False)
+        elif verdict.kind is SeqKind.RESTART:
+            c.restarts += 1
+            self.index.clear_pod(pod)
+            pub.seq.reset()
+            if seq != 0 and self.replay_available:
+                pub.restart_pending = True
+                return self._start_replay(pod, rank, pub, 0, seq, batch, topic_model, now)
+            self.freshness.restart(pod, now, recovered=seq == 0)
+        elif verdict.kind is SeqKind.FIRST and seq != 0:
+            if self.replay_available:
+                return self._start_replay(pod, rank, pub, 0, seq, batch, topic_model, now)
+            self.freshness.joined_late(pod, now)
+        return self._apply(pod, pub, seq, batch, topic_model, now, lag)
+
+    def _start_replay(
+        self,
+        pod: str,
+        rank: int,
+        pub: _Publisher,
+        from_seq: int,
+        seq: int,
+        batch: EventBatch,
+        topic_model: str | None,
+        now: float,
+    ) -> NeedReplay:
+        pub.replaying = True
+        pub.held.append((seq, batch, topic_model))
+        self.freshness.gap(pod, now, replaying=True)
+        return NeedReplay(pod, rank, from_seq)
+
+    # -- replay ----------------------------------------------------------------------------
+    def on_replayed(
+        self, pod: str, rank: int, seq: int, payload: bytes, now: float, topic_model: str | None = None
+    ) -> Outcome:
+        pub = self._publisher(pod, rank)
+        if pub.seq.already_applied(seq) or (pub.held and seq >= pub.held[0][0]):
+            return Applied(0)  # applied already, or the live stream has it (applied from `held`)
+        expected = 0 if pub.seq.last is None else pub.seq.last + 1
+        if seq != expected:
+            pub.replay_hole = True
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as err:
+            pub.seq.advance(seq)
+            return self.drop(pod, err.reason, now)
+        return self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
+
+    def replay_finished(self, pod: str, rank: int, now: float, complete: bool) -> int:
+        """End a replay (`complete`: the end marker arrived) and apply the held live messages in order.
+        Returns how many held messages were applied."""
+        pub = self._publisher(pod, rank)
+        held = list(pub.held)
+        pub.held.clear()
+        pub.replaying = False
+        first_held = held[0][0] if held else None
+        last = pub.seq.last
+        covered = (
+            first_held is None
+            or (last is not None and last + 1 >= first_held)
+            or (last is None and first_held == 0)
+        )
+        ok = complete and covered and not pub.replay_hole
+        pub.replay_hole = False
+        self._counters(pod).replays["complete" if ok else "incomplete"] += 1
+        if pub.restart_pending:
+            pub.restart_pending = False
+            self.freshness.restart(pod, now, recovered=ok)
+        self.freshness.replay_done(pod, now, complete=ok)
+        if not ok:
+            self.index.clear_pod(pod)  # events are missing: keep no blocks that may have been evicted
+        applied = 0
+        for seq, batch, topic_model in held:
+            if pub.seq.already_applied(seq):
+                continue
+            if pub.seq.last is not None and seq > pub.seq.last + 1 and ok:
+                # Live messages were lost while replaying: nothing left to replay them from here.
+                self._counters(pod).gaps += 1
+                self.index.clear_pod(pod)
+                self.freshness.gap(pod, now, replaying=False)
+                ok = False
+            self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
+            applied += 1
+        return applied
+
+    # -- application -------------------------------------------------------------------
+    def _apply(
+        self,
+        pod: str,
+        pub: _Publisher,
+        seq: int,
+        batch: EventBatch,
+        topic_model: str | None,
+        now: float,
+        lag: float,
+    ) -> Applied:
+        c = self._counters(pod)
+        c.messages += 1
+        c.skipped_groups += batch.skipped
+        index = self.index
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                model = ev.lora_name or topic_model or self.model_of(pod)
+                if model is None:
+                    c.drops["unknown_model"] += 1
+                    continue
+                if ev.tier not in KNOWN_TIERS:
+                    c.unknown_tiers[ev.tier] += 1
+                root = root_key(model, salt_of(ev.extra_keys, ev.cache_salt))
+                outcome = index.store(
+                    pod, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.tier, root
+                )
+                if outcome.orphan:
+                    c.orphans += 1
+                    self.freshness.problem(pod, now, "orphans")
+            elif type(ev) is BlockRemoved:
+                index.remove(pod, ev.block_hashes, ev.tier)
+            elif type(ev) is AllBlocksCleared:
+                index.clear_pod(pod)
+        c.events += len(batch.events)
+        pub.seq.advance(seq)
+        self.last_seq[pod] = seq
+        self.freshness.message(pod, now, lag)
+        return Applied(len(batch.events))
+
+    def _publisher(self, pod: str, rank: int) -> _Publisher:
+        key = (pod, rank)
+        pub = self._publishers.get(key)
+        if pub is None:
+            pub = self._publishers[key] = _Publisher()
+        return pub
+
+    def remove_pod(self, pod: str) -> None:
+        """The pod left the pool: drop its blocks, publishers and state."""
+        self.index.clear_pod(pod)
+        for key in [k for k in self._publishers if k[0] == pod]:
+            del self._publishers[key]
+        self.counters.pop(pod, None)
+        self.last_seq.pop(pod, None)
+        self.freshness.forget(pod)

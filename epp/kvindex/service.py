@@ -1,0 +1,59 @@
+"""What the prefix-cache scorers share: the index, freshness verdicts and tokenizers. Pure.
+
+The server builds one `KvIndexService` and hands it to plugins through `PluginHandle.services`
+(key `SERVICE_KEY`); the simulator builds the same object.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.keys import block_keys, root_key
+from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
+from epp.types import InferenceRequest
+
+SERVICE_KEY = "kv_index"
+_EMPTY = np.zeros(0, dtype=np.uint64)
+
+
+@dataclass
+class KvIndexService:
+    index: BlockIndex
+    freshness: FreshnessTracker
+    tokenizers: TokenizerRegistry
+    block_size: int
+    # model -> requests that could not be keyed, by reason ("no_tokenizer", "tokenizer_error")
+    unkeyed: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+    def prompt_tokens(self, request: InferenceRequest) -> list[int] | np.ndarray | None:
+        """The prompt's token ids as the engine sees them, or None when they cannot be known."""
+        prompt = request.prompt
+        if prompt is not None and not isinstance(prompt, str):
+            return list(prompt)
+        tok = self.tokenizers.get(request.model)
+        if tok is None:
+            self.unkeyed[(request.model, "no_tokenizer")] += 1
+            return None
+        try:
+            if request.messages is not None:
+                return tok.encode_chat(request.messages)
+            if isinstance(prompt, str):
+                return tok.encode_prompt(prompt)
+        except TokenizerError:
+            self.unkeyed[(request.model, "tokenizer_error")] += 1
+            return None
+        return None
+
+    def prompt_keys(self, request: InferenceRequest) -> np.ndarray | None:
+        """Our block keys of the prompt's full blocks (the root carries model and cache salt)."""
+        tokens = self.prompt_tokens(request)
+        if tokens is None:
+            return None
+        if len(tokens) < self.block_size:
+            return _EMPTY
+        return block_keys(tokens, self.block_size, root_key(request.model, request.cache_salt))

@@ -1,0 +1,312 @@
+"""KV-event subscriber (ZeroMQ, asyncio): the edge that feeds `KvIngest` from engine publishers.
+
+Two deployment modes, as in the field:
+- per-pod: one SUB socket per endpoint and data-parallel rank, connected to
+  `tcp://<pod-ip>:<port + rank>`, added and removed with the endpoint set. A socket monitor
+  reports when a publisher is reachable.
+- central: one bound SUB socket that engines connect to; the pod comes from the topic
+  `kv@<ip:port>@<model>` (or `kv@<ip>@<model>` when the IP names one endpoint).
+
+Replay (optional): a DEALER to the engine's ROUTER at `<pod-ip>:<replay port + rank>` sends
+`[b"", start_seq]` and reads one message per buffered batch until the end marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from epp.clock import Clock
+from epp.config import KvEventsConfig
+from epp.datastore import Datastore
+from epp.kvindex.ingest import KvIngest, NeedReplay
+from epp.kvindex.sequence import END_OF_REPLAY
+
+log = logging.getLogger("epp.kv_events")
+
+UNKNOWN_POD = "unknown"
+
+
+def split_host(pod: str) -> str:
+    host = pod.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
+def endpoint_url(pod: str, port: int) -> str:
+    host = pod.rpartition(":")[0]
+    return f"tcp://{host}:{port}"
+
+
+def parse_topic(topic: str) -> tuple[str | None, str | None]:
+    """`kv@<ip:port>@<model>` or `kv@<ip>@<model>` -> (address or ip, model); else (None, None)."""
+    if not topic.startswith("kv@"):
+        return None, None
+    where, sep, model = topic[3:].rpartition("@")
+    if not sep:
+        return topic[3:] or None, None
+    return where or None, model or None
+
+
+class _RateLimitedLog:
+    def __init__(self, every: float = 30.0) -> None:
+        self.every = every
+        self._last: dict[tuple[str, str], float] = {}
+
+    def warn(self, pod: str, reason: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        key = (pod, reason)
+        if now - self._last.get(key, -1e9) >= self.every:
+            self._last[key] = now
+            log.warning(msg, *args)
+
+
+class KvEventSubscriber:
+    def __init__(
+        self,
+        datastore: Datastore,
+        ingest: KvIngest,
+        clock: Clock,
+        settings: KvEventsConfig,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.datastore = datastore
+        self.ingest = ingest
+        self.clock = clock
+        self.settings = settings
+        self.wall = wall
+        self.ctx = zmq.asyncio.Context()
+        self._streams: dict[tuple[str, int], tuple[zmq.asyncio.Socket, list[asyncio.Task[None]]]] = {}
+        self._replays: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._central: zmq.asyncio.Socket | None = None
+        self._logs = _RateLimitedLog()
+        self.bound_endpoint: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        if s.mode == "off":
+            return
+        if s.mode == "central":
+            sock = self._sub_socket()
+            sock.bind(s.bind)
+            self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._central = sock
+            self._tasks.append(asyncio.create_task(self._recv_loop(sock, None, -1), name="kv-central"))
+        self.sync()
+        self._tasks.append(asyncio.create_task(self._sync_loop(), name="kv-sync"))
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks) + list(self._replays.values())
+        for _, (_, ts) in self._streams.items():
+            tasks.extend(ts)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for sock, _ in self._streams.values():
+            sock.close(linger=0)
+        self._streams.clear()
+        self._replays.clear()
+        self._tasks.clear()
+        if self._central is not None:
+            self._central.close(linger=0)
+            self._central = None
+        self.ctx.term()
+
+    def _sub_socket(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        for topic in self.settings.topic_filters:
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        return sock
+
+    # -- endpoint set ------------------------------------------------------------------
+    def sync(self) -> None:
+        """Follow the endpoint set: subscribe to new pods (per-pod mode), drop departed ones."""
+        now = self.clock.now()
+        known = set(self.datastore.ids())
+        for pod in known:
+            rec = self.datastore.get(pod)
+            if rec is not None and rec.metrics is not None and rec.metrics.prefix_cache_queries is not None:
+                misses = rec.metrics.prefix_cache_queries - (rec.metrics.prefix_cache_hits or 0.0)
+                self.ingest.freshness.engine_misses(pod, misses)
+        tracked = (
+            {pod for pod, _ in self._streams} | set(self.ingest.counters) | set(self.ingest.freshness.pods())
+        )
+        for pod in tracked - known:
+            self._drop_pod(pod)
+        if self.settings.mode != "per-pod":
+            return
+        for pod in known:
+            for rank in range(self.settings.dp_ranks):
+                if (pod, rank) not in self._streams:
+                    self._open(pod, rank, now)
+
+    def _open(self, pod: str, rank: int, now: float) -> None:
+        sock = self._sub_socket()
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint_url(pod, self.settings.port + rank))
+        self.ingest.freshness.watch(pod, now)
+        tasks = [
+            asyncio.create_task(self._recv_loop(sock, pod, rank), name=f"kv-{pod}-{rank}"),
+            asyncio.create_task(self._monitor_loop(monitor, pod), name=f"kv-mon-{pod}-{rank}"),
+        ]
+        self._streams[(pod, rank)] = (sock, tasks)
+
+    def _drop_pod(self, pod: str) -> None:
+        for key in [k for k in self._streams if k[0] == pod]:
+            sock, tasks = self._streams.pop(key)
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            sock.close(linger=0)
+        for key in [k for k in self._replays if k[0] == pod]:
+            self._replays.pop(key).cancel()
+        self.ingest.remove_pod(pod)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sync_interval)
+            try:
+                self.sync()
+            except Exception:
+                log.exception("kv events: endpoint sync failed")
+
+    # -- receiving ---------------------------------------------------------------------
+    async def _recv_loop(self, sock: zmq.asyncio.Socket, pod: str | None, rank: int) -> None:
+        recv = sock.recv_multipart
+        handle = self.handle
+        while True:
+            frames = await recv()
+            try:
+                handle(frames, pod, rank)
+            except Exception:
+                log.exception("kv events: unexpected error handling a message from %s", pod or "central")
+
+    def handle(self, frames: list[bytes], pod: str | None, rank: int) -> None:
+        now = self.clock.now()
+        if len(frames) != 3:
+            self._drop(pod or UNKNOWN_POD, "frame_count", now, f"{len(frames)} frames, expected 3")
+            return
+        topic_b, seq_b, payload = frames
+        if len(seq_b) != 8:
+            self._drop(pod or UNKNOWN_POD, "bad_seq", now, f"seq frame of {len(seq_b)} bytes, expected 8")
+            return
+        try:
+            topic = topic_b.decode()
+        except UnicodeDecodeError:
+            self._drop(pod or UNKNOWN_POD, "bad_topic", now, "topic is not UTF-8")
+            return
+        where, topic_model = parse_topic(topic)
+        if pod is None:
+            pod = self._pod_of(where)
+            if pod is None:
+                self._drop(UNKNOWN_POD, "unknown_pod", now, f"topic {topic!r} names no endpoint of the pool")
+                return
+        elif self.datastore.get(pod) is None:
+            return  # the pod left while this message was queued
+        seq = int.from_bytes(seq_b, "big")
+        outcome = self.ingest.on_live(pod, rank, seq, payload, now, topic_model, self.wall())
+        if isinstance(outcome, NeedReplay):
+            self._start_replay(outcome)
+
+    def _pod_of(self, where: str | None) -> str | None:
+        if where is None:
+            return None
+        if self.datastore.get(where) is not None:
+            return where
+        matches = [p for p in self.datastore.ids() if split_host(p) == where]
+        return matches[0] if len(matches) == 1 else None
+
+    def _drop(self, pod: str, reason: str, now: float, detail: str) -> None:
+        self.ingest.drop(pod, reason, now)
+        self._logs.warn(pod, reason, "kv events from %s dropped (%s): %s", pod, reason, detail)
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket, pod: str) -> None:
+        try:
+            while True:
+                msg = await monitor.recv_multipart()
+                event = parse_monitor_message(msg)["event"]
+                now = self.clock.now()
+                if event == zmq.EVENT_CONNECTED:
+                    self.ingest.freshness.connected(pod, now)
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self.ingest.freshness.disconnected(pod, now)
+                    self._logs.warn(pod, "disconnected", "kv events publisher of %s disconnected", pod)
+        finally:
+            monitor.close(linger=0)
+
+    # -- replay ------------------------------------------------------------------------
+    def _start_replay(self, need: NeedReplay) -> None:
+        key = (need.pod, need.rank)
+        if key in self._replays and not self._replays[key].done():
+            return
+        self._replays[key] = asyncio.create_task(self._replay(need), name=f"kv-replay-{need.pod}")
+
+    async def _replay(self, need: NeedReplay) -> None:
+        s = self.settings
+        complete = False
+        next_seq = need.from_seq
+        try:
+            if s.replay_port is None:
+                return
+            url = endpoint_url(need.pod, s.replay_port + need.rank)
+            for _attempt in range(s.replay_retries + 1):
+                done, next_seq = await self._replay_once(url, need, next_seq)
+                if done:
+                    complete = True
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kv events: replay from %s failed", need.pod)
+        finally:
+            self._replays.pop((need.pod, need.rank), None)
+            if self.datastore.get(need.pod) is not None:
+                self.ingest.replay_finished(need.pod, need.rank, self.clock.now(), complete)
+                if not complete:
+                    self._logs.warn(need.pod, "replay", "kv events replay from %s incomplete", need.pod)
+
+    async def _replay_once(self, url: str, need: NeedReplay, start: int) -> tuple[bool, int]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(url)
+        timeout_ms = int(self.settings.replay_timeout * 1000)
+        next_seq = start
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await sock.poll(timeout_ms):
+                    return False, next_seq
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                if len(frames) == 3:
+                    topic_b, seq_b, payload = frames
+                elif len(frames) == 2:
+                    topic_b, (seq_b, payload) = b"", frames
+                else:
+                    self.ingest.drop(need.pod, "replay_frames", self.clock.now())
+                    continue
+                if len(seq_b) != 8:
+                    self.ingest.drop(need.pod, "bad_seq", self.clock.now())
+                    continue
+                seq = int.from_bytes(seq_b, "big")
+                if seq == END_OF_REPLAY:
+                    return True, next_seq
+                _, topic_model = parse_topic(topic_b.decode(errors="replace"))
+                self.ingest.on_replayed(need.pod, need.rank, seq, payload, self.clock.now(), topic_model)
+                next_seq = max(next_seq, seq + 1)
+        finally:
+            sock.close(linger=0)
