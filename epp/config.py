@@ -87,7 +87,7 @@ class KvEventsEntry(_Struct):
     port: int = 5557
     bind: str = "tcp://*:5557"
     replay_port: int | None = None
-    topic_filters: list[str] = [""]
+    topic_filters: list[str] = msgspec.field(default_factory=lambda: [""])
     dp_ranks: int = 1
     replay_timeout: str | float = "2s"
     replay_retries: int = 2

@@ -188,6 +188,18 @@ class KvIngest:
         self.freshness.gap(pod, now, replaying=True)
         return NeedReplay(pod, rank, from_seq)
 
+    def on_connected(self, pod: str, rank: int, now: float) -> NeedReplay | None:
+        """A publisher became reachable. With replay, a publisher never heard from is replayed from 0 at
+        once, so an idle engine's existing blocks are known without waiting for its next event."""
+        if not self.replay_available:
+            return None
+        pub = self._publisher(pod, rank)
+        if pub.seq.last is not None or pub.replaying:
+            return None
+        pub.replaying = True
+        self.freshness.gap(pod, now, replaying=True)
+        return NeedReplay(pod, rank, 0)
+
     # -- replay ----------------------------------------------------------------------------
     def on_replayed(
         self, pod: str, rank: int, seq: int, payload: bytes, now: float, topic_model: str | None = None

@@ -143,7 +143,7 @@ class KvEventSubscriber:
         tracked = (
             {pod for pod, _ in self._streams} | set(self.ingest.counters) | set(self.ingest.freshness.pods())
         )
-        for pod in tracked - known:
+        for pod in tracked - known - {UNKNOWN_POD}:
             self._drop_pod(pod)
         if self.settings.mode != "per-pod":
             return
@@ -159,7 +159,7 @@ class KvEventSubscriber:
         self.ingest.freshness.watch(pod, now)
         tasks = [
             asyncio.create_task(self._recv_loop(sock, pod, rank), name=f"kv-{pod}-{rank}"),
-            asyncio.create_task(self._monitor_loop(monitor, pod), name=f"kv-mon-{pod}-{rank}"),
+            asyncio.create_task(self._monitor_loop(monitor, pod, rank), name=f"kv-mon-{pod}-{rank}"),
         ]
         self._streams[(pod, rank)] = (sock, tasks)
 
@@ -233,7 +233,7 @@ class KvEventSubscriber:
         self.ingest.drop(pod, reason, now)
         self._logs.warn(pod, reason, "kv events from %s dropped (%s): %s", pod, reason, detail)
 
-    async def _monitor_loop(self, monitor: zmq.asyncio.Socket, pod: str) -> None:
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket, pod: str, rank: int) -> None:
         try:
             while True:
                 msg = await monitor.recv_multipart()
@@ -241,6 +241,9 @@ class KvEventSubscriber:
                 now = self.clock.now()
                 if event == zmq.EVENT_CONNECTED:
                     self.ingest.freshness.connected(pod, now)
+                    need = self.ingest.on_connected(pod, rank, now)
+                    if need is not None:
+                        self._start_replay(need)
                 elif event == zmq.EVENT_DISCONNECTED:
                     self.ingest.freshness.disconnected(pod, now)
                     self._logs.warn(pod, "disconnected", "kv events publisher of %s disconnected", pod)

@@ -10,6 +10,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PURE = [
     "epp/scheduling",
+    "epp/kvindex",
     "epp/types.py",
     "epp/config.py",
     "epp/requests.py",

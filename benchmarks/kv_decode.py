@@ -1,0 +1,156 @@
+"""Decode-only throughput of engine KV-event batches (epp.kvindex.events.decode_batch).
+
+Encodes N vLLM-shaped batches (each: 8 BlockStored of 16 blocks x 16 tokens, then 4
+BlockRemoved of one block each, as vLLM emits evictions) in the map form (vLLM 0.24+) and
+the array form (vLLM 0.9-0.23), then times decode_batch over all of them. Prints block
+events per second (stored blocks + removed blocks), the median over repeats. This is the
+ceiling for any ingestion path built on the decoder.
+
+  python benchmarks/kv_decode.py [--batches 2000] [--repeats 7] [--seed 0]
+
+`make_batches(n_batches, form, seed)` is imported by other benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import msgspec
+
+from epp.kvindex.events import decode_batch
+
+STORED_PER_BATCH = 8
+BLOCKS_PER_STORED = 16
+BLOCK_SIZE = 16
+REMOVED_PER_BATCH = 4
+BLOCK_EVENTS_PER_BATCH = STORED_PER_BATCH * BLOCKS_PER_STORED + REMOVED_PER_BATCH
+FORMS = ("map", "array")
+
+
+# Shaped like vLLM's own classes (vllm/distributed/kv_events.py, 0.22 / 0.33): events are
+# tagged structs with omit_defaults; the batch is always an array.
+class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _MapStored(_MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[object, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _MapRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _ArrEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _ArrStored(_ArrEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[object, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _ArrRemoved(_ArrEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[object]
+    data_parallel_rank: int | None = None
+
+
+def make_batches(n_batches: int, form: str, seed: int) -> list[bytes]:
+    """`n_batches` msgpack payloads as vLLM publishes them; form is "map" or "array".
+
+    Each batch: 8 BlockStored (16 blocks of 16 tokens, chained parents, unsigned 64-bit
+    hashes, medium GPU, extra_keys one nil per block, group 0) then 4 BlockRemoved."""
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    stored, removed = (_MapStored, _MapRemoved) if form == "map" else (_ArrStored, _ArrRemoved)
+    rng = random.Random(seed)
+    encoder = msgspec.msgpack.Encoder()
+    out: list[bytes] = []
+    parent: int | None = None
+    for n in range(n_batches):
+        events: list[object] = []
+        for _ in range(STORED_PER_BATCH):
+            hashes = [rng.getrandbits(64) for _ in range(BLOCKS_PER_STORED)]
+            tokens = [rng.randrange(150_000) for _ in range(BLOCKS_PER_STORED * BLOCK_SIZE)]
+            events.append(
+                stored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=tokens,
+                    block_size=BLOCK_SIZE,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    extra_keys=[None] * BLOCKS_PER_STORED,
+                    group_idx=0,
+                )
+            )
+            parent = None if rng.random() < 0.25 else hashes[-1]
+        for _ in range(REMOVED_PER_BATCH):
+            events.append(removed(block_hashes=[rng.getrandbits(64)], medium="GPU", group_idx=0))
+        out.append(encoder.encode(_Batch(ts=1_767_225_600.0 + n * 0.01, events=events, data_parallel_rank=0)))
+    return out
+
+
+def measure(payloads: list[bytes], repeats: int) -> float:
+    """Median block events per second of decoding all `payloads`."""
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for payload in payloads:
+            decode_batch(payload)
+        rates.append(len(payloads) * BLOCK_EVENTS_PER_BATCH / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for form in FORMS:
+        payloads = make_batches(args.batches, form, args.seed)
+        size = sum(map(len, payloads)) / len(payloads)
+        rate = measure(payloads, args.repeats)
+        print(
+            f"{form:5s}: {rate:12,.0f} block events/s  ({rate / BLOCK_EVENTS_PER_BATCH:9,.0f} batches/s,"
+            f" {BLOCK_EVENTS_PER_BATCH} block events and {size:,.0f} bytes per batch)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""The numpy state of the block index: engine blocks, their keys, and who holds which key where. Pure.
+
+Three tables (`table.HashTable`), all batched:
+
+- `records`: (engine hash, pod) -> one engine block of one pod: the chain `state` after its last token,
+  and `info` = tokens past the last index boundary (bits 0-7) | index keys it completes (bits 8-19) |
+  tiers it is stored on (bits 20-31). Plus one uint32 store stamp per tier (`s0`, `s1`, ...; MAX when
+  not stored there). A *unit* is (record, tier): what one BlockStored adds and one BlockRemoved removes,
+  the unit of recency and eviction.
+- `extra`: (engine hash, pod | j << 16) -> key: the keys a record completes that are not implied by its
+  state. A record whose last token ends an index block owns fmix(state) implicitly, so an engine block
+  the size of the index block needs no extra row; an engine block of 64 tokens needs 3.
+- `blocks`: (key, pod chunk | tier << 11) -> uint32 bit mask of the pods of a 32-pod chunk that hold the
+  key on the tier. A lookup reads one row per (key, chunk, tier) instead of one per (key, pod).
+
+The caller guarantees batch semantics (see `index.py`): units given to `remove_units` are live, and a
+batch given to `add` does not involve a record that has a removal pending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from epp.kvindex.keys import MASK64, fmix_array, mix_tokens, powers
+from epp.kvindex.table import HashTable, Index
+
+MAX_TIERS: Final = 12
+MAX_KEYS_PER_RECORD: Final = 0xFFF
+MAX_PODS: Final = 0xFFFF  # pod ids 0..65534 (65535 marks an empty slot)
+STAMP_NONE: Final = 0xFFFFFFFF
+TIER_SHIFT: Final = 20
+CHUNK_BITS: Final = 5  # 32 pods per mask
+_U = np.uint64
+_STAMP_LIMIT: Final = STAMP_NONE - 1
+
+U64 = npt.NDArray[np.uint64]
+
+
+@dataclass(slots=True)
+class Batch:
+    """Pending BlockStored events, in order. Per event: pod, tier, blocks, tokens, engine block size,
+    start state (when `pref` < 0), parent block index in this batch (or -1), tokens pending at start."""
+
+    pid: Index
+    tid: Index
+    n: Index
+    ntok: Index
+    ebs: Index
+    s0: list[int]
+    pref: Index
+    npend0: Index
+    hashes: U64
+    tokens: npt.NDArray[np.integer]
+    tiers: list[int]  # the tiers the batch stores on
+    dups: bool  # some (pod, engine hash) is stored more than once
+
+
+class Holdings:
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.records = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 0)})
+        self.extra = HashTable(np.uint32, {"key": (np.uint64, 0)})
+        self.blocks = HashTable(np.uint16, {"mask": (np.uint32, 0)})
+        self.ntiers = 0
+        self.counts = np.zeros((16, MAX_TIERS), dtype=np.int64)  # entries per (pod, tier)
+        self.units = np.zeros(16, dtype=np.int64)  # units per pod
+        self.entries = 0
+        self.used = 0  # sum over units of max(keys, 1): what the memory bound counts
+        self.stamp = 0
+        self._select_none()
+
+    def _select_none(self) -> None:
+        self._cand_hashes: U64 = np.zeros(0, dtype=np.uint64)
+        self._cand_pods: npt.NDArray[np.uint16] = np.zeros(0, dtype=np.uint16)
+        self._cand_tiers: Index = np.zeros(0, dtype=np.intp)
+        self._cand_stamps: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
+        self._cand_pos = 0
+
+    def add_tier(self) -> int:
+        t = self.ntiers
+        self.records.add_column(f"s{t}", np.uint32, STAMP_NONE)
+        self.ntiers += 1
+        return t
+
+    def ensure_pod(self, pid: int) -> None:
+        if pid >= len(self.units):
+            size = max(pid + 1, 2 * len(self.units))
+            self.units = np.concatenate([self.units, np.zeros(size - len(self.units), dtype=np.int64)])
+            extra_rows = np.zeros((size - len(self.counts), MAX_TIERS), dtype=np.int64)
+            self.counts = np.concatenate([self.counts, extra_rows])
+
+    def nbytes(self) -> int:
+        return self.records.nbytes() + self.extra.nbytes() + self.blocks.nbytes()
+
+    # -- scalar reads (store / remove bookkeeping) -------------------------------------
+    def find_record(self, pid: int, ehash: int) -> int:
+        return self.records.find_one(ehash & MASK64, pid)
+
+    def record_info_of(self, pid: int, ehash: int) -> int:
+        """`info` of the record (pod, engine hash), or -1 when there is none."""
+        slot = self.records.find_one(ehash & MASK64, pid)
+        return -1 if slot < 0 else int(self.records.cols["info"][slot])
+
+    def record_info(self, slot: int) -> int:
+        return int(self.records.cols["info"][slot])
+
+    def record_state(self, slot: int) -> int:
+        return int(self.records.cols["state"][slot])
+
+    # -- add -----------------------------------------------------------------------------
+    def add(self, b: Batch) -> None:
+        bs = self.bs
+        nev = len(b.n)
+        nblocks = int(b.n.sum())
+        ntok = int(b.ntok.sum())
+        ev = np.repeat(np.arange(nev), b.n)
+        bstart = np.cumsum(b.n) - b.n
+        tstart = (np.cumsum(b.ntok) - b.ntok)[ev]
+        j = np.arange(nblocks) - bstart[ev]
+        ebs = b.ebs[ev]
+        start_off = j * ebs
+        end_off = np.where(j == b.n[ev] - 1, b.ntok[ev], start_off + ebs)
+        before = b.npend0[ev] + start_off
+        after = b.npend0[ev] + end_off
+        nkeys = after // bs - before // bs
+        npend = after % bs
+
+        pos, neg = powers(ntok + 1)
+        acc = np.zeros(ntok + 1, dtype=np.uint64)
+        weighted = mix_tokens(b.tokens)
+        weighted *= neg[:ntok]
+        np.cumsum(weighted, out=acc[1:])
+        p_end = tstart + end_off
+        lin = pos[p_end - 1] * (acc[p_end] - acc[tstart])  # state_end = pos[end_off] * s0 + lin
+        s0 = list(b.s0)
+        chained = np.flatnonzero(b.pref >= 0)
+        if chained.size:
+            g = b.pref[chained]
+            for e, a, c, pe in zip(
+                chained.tolist(), pos[end_off[g]].tolist(), lin[g].tolist(), ev[g].tolist(), strict=True
+            ):
+                s0[e] = (a * s0[pe] + c) & MASK64
+        start = np.array(s0, dtype=np.uint64)[ev]
+        state_end = pos[end_off] * start + lin
+
+        tags = b.pid[ev].astype(np.uint16)
+        info = (npend | (nkeys << 8)).astype(np.uint32)
+        slots, new = self.records.upsert(b.hashes, tags, {"state": state_end, "info": info})
+        if new.any():
+            u = np.flatnonzero(new)
+            nsr = nkeys[u] - ((npend[u] == 0) & (nkeys[u] > 0))
+            if nsr.any():
+                self._add_extra(u[nsr > 0], nsr[nsr > 0], b, ev, tstart, start_off, before, start, pos, acc)
+
+        if self.stamp + nblocks >= _STAMP_LIMIT:
+            self._rebase_stamps()
+        stamps = (self.stamp + bstart[ev] + (b.n[ev] - 1 - j)).astype(np.uint32)
+        self.stamp += nblocks
+        tiers = b.tid[ev]
+        info_col = self.records.cols["info"]
+        if b.dups:  # a (pod, engine hash) queued twice: one unit per (record, tier), its latest stamp
+            uid = (slots * MAX_TIERS + tiers).astype(np.uint64)
+            order = np.sort((uid << _U(32)) | stamps.astype(np.uint64))
+            last = np.r_[(order[1:] >> _U(32)) != (order[:-1] >> _U(32)), True]
+            uid, stamps = order[last] >> _U(32), (order[last] & _U(0xFFFFFFFF)).astype(np.uint32)
+            slots, tiers = (uid // MAX_TIERS).astype(np.intp), (uid % MAX_TIERS).astype(np.intp)
+        shift = (tiers + TIER_SHIFT).astype(np.uint32)
+        was = (info_col[slots] >> shift) & 1
+        for t in b.tiers:
+            col = self.records.cols[f"s{t}"]
+            if len(b.tiers) == 1:
+                col[slots] = stamps
+            else:
+                sel = tiers == t
+                col[slots[sel]] = stamps[sel]
+        bits = np.left_shift(np.uint32(1), shift)
+        if b.dups:
+            np.bitwise_or.at(info_col, slots, bits)
+        else:
+            info_col[slots] |= bits
+        fresh = was == 0
+        if fresh.any():
+            self._link(slots[fresh], tiers[fresh])
+
+    def _add_extra(
+        self,
+        u: Index,
+        nsr: Index,
+        b: Batch,
+        ev: Index,
+        tstart: Index,
+        start_off: Index,
+        before: Index,
+        start: U64,
+        pos: U64,
+        acc: U64,
+    ) -> None:
+        """Extra rows for new records `u` that own `nsr` keys beyond the implicit one."""
+        bs = self.bs
+        kb = np.repeat(u, nsr)
+        jj = np.arange(len(kb)) - np.repeat(np.cumsum(nsr) - nsr, nsr)
+        q = start_off[kb] + (bs - before[kb] % bs) + jj * bs  # token offset in the event
+        p = tstart[kb] + q
+        keys = fmix_array(pos[q] * start[kb] + pos[p - 1] * (acc[p] - acc[tstart[kb]]))
+        tags = (b.pid[ev[kb]] | (jj << 16)).astype(np.uint32)
+        self.extra.insert(b.hashes[kb], tags, {"key": keys})
+
+    # -- keys of records -----------------------------------------------------------------
+    def owned(self, slots: Index) -> tuple[Index, U64]:
+        """The keys the records at `slots` complete, as (position in `slots`, key) pairs."""
+        info = self.records.cols["info"][slots]
+        nk = ((info >> 8) & MAX_KEYS_PER_RECORD).astype(np.intp)
+        implicit = ((info & 0xFF) == 0) & (nk > 0)
+        who = np.flatnonzero(implicit)
+        keys = fmix_array(self.records.cols["state"][slots[who]])
+        nsr = nk - implicit
+        if not nsr.any():
+            return who, keys
+        u = np.repeat(np.arange(len(slots)), nsr)
+        jj = np.arange(len(u)) - np.repeat(np.cumsum(nsr) - nsr, nsr)
+        pods = self.records.tags[slots[u]].astype(np.intp)
+        found = self.extra.find(self.records.keys[slots[u]], (pods | (jj << 16)).astype(np.uint32))
+        ok = found >= 0  # always, unless the tables disagree
+        return np.concatenate([who, u[ok]]), np.concatenate([keys, self.extra.cols["key"][found[ok]]])
+
+    def _link(self, slots: Index, tiers: Index) -> None:
+        """Units that became live: set their pods' bits on their keys, count them."""
+        self._account(slots, tiers, +1)
+        who, keys = self.owned(slots)
+        if len(keys):
+            pods = self.records.tags[slots].astype(np.intp)
+            tags = ((pods >> CHUNK_BITS) | (tiers << 11))[who]
+            bits = (1 << (pods & 31))[who].astype(np.uint32)
+            self._blocks_update(keys, tags.astype(np.uint16), bits, set_bits=True)
+
+    def _account(self, slots: Index, tiers: Index, sign: int) -> None:
+        pods = self.records.tags[slots].astype(np.intp)
+        nk = ((self.records.cols["info"][slots] >> 8) & MAX_KEYS_PER_RECORD).astype(np.int64)
+        size = len(self.units)
+        per = np.bincount(pods * MAX_TIERS + tiers, weights=nk, minlength=size * MAX_TIERS)
+        self.counts += sign * per.astype(np.int64).reshape(size, MAX_TIERS)
+        self.units += sign * np.bincount(pods, minlength=size)
+        self.entries += sign * int(nk.sum())
+        self.used += sign * int(np.maximum(nk, 1).sum())
+
+    def _blocks_update(
+        self, keys: U64, tags: npt.NDArray[np.uint16], bits: npt.NDArray[np.uint32], *, set_bits: bool
+    ) -> None:
+        if set_bits:
+            slots, _ = self.blocks.upsert(keys, tags, {})
+            np.bitwise_or.at(self.blocks.cols["mask"], slots, bits)
+        else:
+            mask = self.blocks.cols["mask"]
+            slots = self.blocks.find(keys, tags)
+            ok = slots >= 0  # always, unless the tables disagree
+            s = slots[ok]
+            np.bitwise_and.at(mask, s, ~bits[ok])
+            self.blocks.delete(s[mask[s] == 0])
+
+    # -- remove ------------------------------------------------------------------------
+    def remove_units(self, slots: Index, tiers: Index) -> int:
+        """Remove live units (distinct (record slot, tier) pairs); returns the entries removed."""
+        if slots.size == 0:
+            return 0
+        before = self.entries
+        self._account(slots, tiers, -1)
+        who, keys = self.owned(slots)
+        if len(keys):
+            pods = self.records.tags[slots].astype(np.intp)
+            tags = ((pods >> CHUNK_BITS) | (tiers << 11))[who]
+            bits = (1 << (pods & 31))[who].astype(np.uint32)
+            self._blocks_update(keys, tags.astype(np.uint16), bits, set_bits=False)
+        for t in np.flatnonzero(np.bincount(tiers, minlength=self.ntiers)).tolist():
+            self.records.cols[f"s{t}"][slots[tiers == t]] = STAMP_NONE
+        info_col = self.records.cols["info"]
+        np.bitwise_and.at(info_col, slots, ~(1 << (tiers + TIER_SHIFT)).astype(np.uint32))
+        gone = slots[(info_col[slots] >> TIER_SHIFT) == 0]  # may repeat a record; delete copes
+        if gone.size:
+            info = info_col[gone]
+            nk = ((info >> 8) & MAX_KEYS_PER_RECORD).astype(np.intp)
+            nsr = nk - (((info & 0xFF) == 0) & (nk > 0))
+            if nsr.any():
+                u = np.repeat(gone, nsr)
+                jj = np.arange(len(u)) - np.repeat(np.cumsum(nsr) - nsr, nsr)
+                tags32 = (self.records.tags[u].astype(np.intp) | (jj << 16)).astype(np.uint32)
+                found = self.extra.find(self.records.keys[u], tags32)
+                self.extra.delete(found[found >= 0])
+            self.records.delete(gone)
+        return before - self.entries
+
+    def units_of_pod(self, pid: int) -> tuple[Index, Index]:
+        slots = np.flatnonzero(self.records.tags == pid)
+        tiers = self.records.cols["info"][slots] >> TIER_SHIFT
+        ts = [np.full(int(((tiers >> t) & 1).sum()), t, dtype=np.intp) for t in range(self.ntiers)]
+        ss = [slots[((tiers >> t) & 1) == 1] for t in range(self.ntiers)]
+        return np.concatenate([np.zeros(0, np.intp), *ss]), np.concatenate([np.zeros(0, np.intp), *ts])
+
+    # -- eviction ----------------------------------------------------------------------
+    def evict(self, need: int) -> int:
+        """Remove the least recently stored units until `used` dropped by at least `need`; returns the
+        entries removed.
+
+        Finding the oldest units scans every stamp, so a scan keeps several rounds' worth of candidates
+        (by identity and stamp: slots move). A candidate whose stamp changed was refreshed or removed
+        since and is skipped; units stored since are newer than every candidate. So the candidates
+        still valid are always the oldest units, in order, and eviction stays exactly LRU."""
+        removed = 0
+        while need > 0 and self.used > 0 and self.ntiers:
+            if self._cand_pos >= len(self._cand_stamps):
+                self._select(need)
+            lo, hi = self._cand_pos, self._cand_pos + need  # weights are >= 1: `need` units are enough
+            hashes, pods = self._cand_hashes[lo:hi], self._cand_pods[lo:hi]
+            tiers, stamps = self._cand_tiers[lo:hi], self._cand_stamps[lo:hi]
+            slots = self.records.find(hashes, pods)
+            now = np.full(len(slots), STAMP_NONE, dtype=np.uint32)
+            for t in np.flatnonzero(np.bincount(tiers, minlength=self.ntiers)).tolist():
+                sel = (tiers == t) & (slots >= 0)
+                now[sel] = self.records.cols[f"s{t}"][slots[sel]]
+            valid = np.flatnonzero(now == stamps)
+            info = self.records.cols["info"][slots[valid]]
+            w = np.maximum((info >> 8) & MAX_KEYS_PER_RECORD, 1).astype(np.int64)
+            cut = min(int(np.searchsorted(np.cumsum(w), need)) + 1, len(valid))
+            self._cand_pos = lo + (int(valid[cut - 1]) + 1 if cut < len(valid) else len(slots))
+            need -= int(w[:cut].sum())
+            removed += self.remove_units(slots[valid[:cut]], tiers[valid[:cut]])
+        return removed
+
+    def _select(self, need: int) -> None:
+        """Candidates for eviction: the oldest units, a few rounds' worth, oldest first."""
+        cap = self.records.capacity
+        flat = np.concatenate([self.records.cols[f"s{t}"] for t in range(self.ntiers)])
+        k = min(len(flat), max(4 * need, 1024))
+        idx = np.argpartition(flat, k - 1)[:k] if k < len(flat) else np.arange(len(flat))
+        idx = idx[np.argsort(flat[idx], kind="stable")]
+        idx = idx[flat[idx] != STAMP_NONE]
+        slots = idx % cap
+        self._cand_hashes = self.records.keys[slots]
+        self._cand_pods = self.records.tags[slots]
+        self._cand_tiers = idx // cap
+        self._cand_stamps = flat[idx]
+        self._cand_pos = 0
+
+    def _rebase_stamps(self) -> None:
+        """Keep stamps in 32 bits: stamps older than the last 2^31 stores become 0 (ties, the oldest)."""
+        self._select_none()  # candidates are compared by stamp
+        base = max(0, self.stamp - (1 << 31))
+        for t in range(self.ntiers):
+            col = self.records.cols[f"s{t}"]
+            live = col != STAMP_NONE
+            col[live] = np.maximum(col[live].astype(np.int64) - base, 0).astype(np.uint32)
+        self.stamp -= base
+
+    # -- lookup ------------------------------------------------------------------------
+    def masks(self, keys: U64, tags: list[int]) -> npt.NDArray[np.uint32]:
+        """(len(tags), len(keys)) masks of the `blocks` rows, 0 where absent."""
+        n = len(keys)
+        slots = self.blocks.find(np.tile(keys, len(tags)), np.repeat(np.array(tags, dtype=np.uint16), n))
+        out = np.zeros(len(slots), dtype=np.uint32)
+        hit = slots >= 0
+        out[hit] = self.blocks.cols["mask"][slots[hit]]
+        return out.reshape(len(tags), n)

@@ -1,0 +1,484 @@
+"""The exact, tiered prefix block index: which pod holds which block on which tier. Pure.
+
+Fed by engine KV events (`store` = BlockStored, `remove` = BlockRemoved, `clear_pod` =
+AllBlocksCleared / engine restart / pod removal); read per request by `lookup`, which gives for every
+pod and tier the length of the consecutive prefix of the prompt's blocks held there.
+
+Keys. Engine hashes are opaque, so the index recomputes our keys (`keys.py`) from each event's token
+ids, chained from the parent's chain state (kept per (pod, engine hash)) or from `root` when the
+parent is None. Engine and index block sizes may differ: every engine block keeps the chain state
+after its last token and how many tokens it left past the last index boundary, so an engine block of
+64 tokens completes 4 index blocks of 16, and SGLang pages of 1..15 tokens complete one every few
+pages; the keys equal `block_keys` over the whole token sequence. An engine block owns the index keys
+it completes (for removals); one that completes none (a short page) still carries the chain.
+
+Entries. An entry is (key, pod, tier). A BlockStored on tier T makes the units (engine block, T) live;
+a BlockRemoved on T removes that tier only; a removal of a hash the pod never stored is a no-op. An
+engine hash is taken to name its content: storing a known (pod, engine hash) again refreshes it
+(adds the tier, renews its recency) and keeps the keys first computed for it.
+
+Orphans. A BlockStored whose parent hash is unknown for the pod (an earlier event was lost) is not
+indexed: its keys cannot be known, and guessing (e.g. chaining from the root) would index blocks under
+wrong keys. It is counted (`orphans`, and `StoreOutcome.orphan`), and its engine hashes are remembered
+as an *unknown chain* (at most `max_unknown` per pod, oldest forgotten first) so that descendants are
+recognised and counted as orphans of a known loss (`orphan_descendants`) rather than new losses; they
+are never indexed either. Remembering costs no entries. A later store of the same hashes with a known
+parent (e.g. after a replay) indexes them normally. Malformed events (token count not matching the
+blocks, over the tier / pod limits) are counted as `rejected`, and their hashes join the unknown chain.
+
+Memory bound. At most `max_entries` entries: when a store pushes the count over it, the least recently
+stored units (ties impossible: every stored unit gets its own stamp; within one event the deeper
+blocks are older, so a chain loses its tail first) are evicted until `evict_headroom` entries are free.
+An engine block that completes no index block counts as one entry for the bound. Evicting a unit
+forgets its chain state once no tier holds it, so later children of that block are orphans.
+
+Batching. `store` and `remove` do their bookkeeping in Python (parent known? entries added or removed?)
+and queue the numpy work, which runs in batches (`flush`): when the queue is long, before any read
+(`lookup`, `pod_counts`, `pods`, `stats`), before `clear_pod`, before an operation that touches an
+engine hash with queued work, and before a store that might push the index over its bound. The order
+of effects is therefore exactly that of the calls. Single writer, not thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from epp.kvindex.holdings import (
+    CHUNK_BITS,
+    MAX_KEYS_PER_RECORD,
+    MAX_PODS,
+    MAX_TIERS,
+    TIER_SHIFT,
+    Batch,
+    Holdings,
+)
+from epp.kvindex.keys import MASK64, state_of
+
+_FLUSH_TOKENS: Final = 1 << 16
+_FLUSH_BLOCKS: Final = 4096
+_ROOT_CACHE: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    stored: int  # (block, pod, tier) entries added or refreshed
+    orphan: bool  # parent engine hash unknown for this pod
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    entries: int  # (block key, pod, tier) entries held
+    max_entries: int
+    evicted: int  # entries evicted by the memory bound so far
+    orphans: int  # BlockStored events whose parent was unknown
+    orphan_descendants: int = 0  # of those, events whose parent was itself an orphan (same loss)
+    rejected: int = 0  # malformed BlockStored events (token count, limits), not indexed
+    engine_blocks: int = 0  # (pod, engine hash) records held (chain state, removals)
+    nbytes: int = 0  # bytes held by the index's arrays
+
+
+class BlockIndex:
+    def __init__(
+        self,
+        block_size: int = 16,
+        max_entries: int = 10_000_000,
+        *,
+        evict_headroom: int | None = None,
+        max_unknown: int = 4096,
+    ) -> None:
+        """`evict_headroom`: entries freed beyond the bound when evicting (default max_entries / 64),
+        so that eviction runs in batches; 0 evicts exactly down to the bound."""
+        if not 1 <= block_size <= 256:
+            raise ValueError("block_size must be in 1..256")
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self.evict_headroom = max_entries // 64 if evict_headroom is None else evict_headroom
+        self.max_unknown = max_unknown
+        self._max_ebs = block_size * MAX_KEYS_PER_RECORD - block_size + 1
+        self._h = Holdings(block_size)
+        self._pod_ids: dict[str, int] = {}
+        self._pod_names: list[str | None] = []
+        self._free_ids: list[int] = []
+        self._tier_ids: dict[str, int] = {}
+        self._tier_names: list[str] = []
+        self._unknown: dict[int, dict[int, None]] = {}
+        self._roots: dict[int, int] = {}
+        self._evicted = 0
+        self._orphans = 0
+        self._descendants = 0
+        self._rejected = 0
+        self._reset_queue()
+
+    def _reset_queue(self) -> None:
+        # queued stores: per event (pod, tier, blocks, tokens, engine block size, parent's queue
+        # position or -1, tokens past the boundary at start), its start state, hashes and tokens
+        self._q_ev: list[tuple[int, int, int, int, int, int, int]] = []
+        self._q_s0: list[int] = []
+        self._q_hashes: list[int] = []
+        self._q_tokens: list[Sequence[int] | npt.NDArray[np.integer]] = []
+        # pod -> engine hash -> queue position * 256 + tokens past the last index boundary after it
+        self._q_index: dict[int, dict[int, int]] = {}
+        self._q_blocks = 0
+        self._q_tok = 0
+        self._q_weight = 0  # upper bound of what the queued stores add to `used`
+        self._q_dups = False  # some (pod, engine hash) is queued twice
+        self._r_units: list[tuple[int, int, int]] = []  # queued removals: (pod, engine hash, tier)
+        self._r_left: dict[int, dict[int, int]] = {}  # pod -> engine hash -> tiers left after them
+
+    # -- events ----------------------------------------------------------------------------
+    def store(
+        self,
+        pod: str,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int] | npt.NDArray[np.integer],
+        engine_block_size: int,
+        tier: str,
+        root: int,
+    ) -> StoreOutcome:
+        """Index the blocks of one BlockStored event for `pod` on `tier` (see the module docstring).
+        Engine hashes are unsigned 64-bit ints (as `events.decode_batch` gives them)."""
+        n = len(engine_hashes)
+        ntok = len(token_ids)
+        ebs = engine_block_size
+        bs = self.block_size
+        pid = self._pod_ids.get(pod)
+        if pid is None:
+            pid = self._new_pod(pod)
+        tid = self._tier_ids.get(tier)
+        if tid is None:
+            tid = self._new_tier(tier)
+        if (
+            n == 0
+            or pid < 0
+            or tid < 0
+            or ebs < 1
+            or not (n - 1) * ebs < ntok <= n * ebs
+            or ebs > self._max_ebs
+        ):
+            if n:
+                self._rejected += 1
+                if pid >= 0:
+                    self._forget_chain(pid, engine_hashes)
+            return StoreOutcome(0, False)
+        # what the event may add to the bound: its keys, + 1 per engine block that might complete none
+        weight = (ntok + bs - 1) // bs + (0 if ebs >= bs and ntok == n * ebs else n)
+        if self._q_blocks and self._h.used + self._q_weight + weight > self.max_entries:
+            self._flush()  # this store may evict: what it sees must include the queued stores' evictions
+        left = self._r_left.get(pid)
+        if left and not left.keys().isdisjoint(engine_hashes):
+            self._flush()
+            left = None
+
+        pref = -1
+        s0 = 0
+        if parent_engine_hash is None:
+            npend0 = 0
+            s0 = self._roots.get(root, -1)
+            if s0 < 0:
+                s0 = self._root_state(root)
+        else:
+            queued = self._q_index.get(pid)
+            v = queued.get(parent_engine_hash) if queued else None
+            if v is not None:
+                pref = v >> 8
+                npend0 = v & 0xFF
+            else:
+                slot = -1
+                if not (left and left.get(parent_engine_hash) == 0):
+                    slot = self._h.find_record(pid, parent_engine_hash)
+                if slot < 0:
+                    return self._orphan(pid, parent_engine_hash, engine_hashes)
+                s0 = self._h.record_state(slot)
+                npend0 = self._h.record_info(slot) & 0xFF
+
+        unknown = self._unknown.get(pid)
+        if unknown:
+            for h in engine_hashes:
+                unknown.pop(h, None)
+        g0 = self._q_blocks
+        self._q_ev.append((pid, tid, n, ntok, ebs, pref, npend0))
+        self._q_s0.append(s0)
+        self._q_hashes.extend(engine_hashes)
+        self._q_tokens.append(token_ids)
+        index = self._q_index.get(pid)
+        if index is None:
+            index = self._q_index[pid] = {}
+        elif not self._q_dups and not index.keys().isdisjoint(engine_hashes):
+            self._q_dups = True
+        if ebs % bs == 0 and ntok == n * ebs:  # every block leaves the chain where the event began it
+            index.update(zip(engine_hashes, range(g0 * 256 + npend0, (g0 + n) * 256, 256), strict=True))
+        else:
+            ends = [min((j + 1) * ebs, ntok) if j < n - 1 else ntok for j in range(n)]
+            index.update(
+                zip(
+                    engine_hashes,
+                    [(g0 + j) * 256 + (npend0 + e) % bs for j, e in enumerate(ends)],
+                    strict=True,
+                )
+            )
+        self._q_blocks = g0 + n
+        self._q_tok += ntok
+        self._q_weight += weight
+        if self._q_tok >= _FLUSH_TOKENS or self._q_blocks >= _FLUSH_BLOCKS:
+            self._flush()
+        return StoreOutcome((npend0 + ntok) // bs, False)
+
+    def remove(self, pod: str, engine_hashes: Sequence[int], tier: str) -> int:
+        """BlockRemoved: drop `tier` of these engine blocks of `pod`; returns the entries removed."""
+        pid = self._pod_ids.get(pod)
+        tid = self._tier_ids.get(tier)
+        if pid is None or tid is None or not engine_hashes:
+            return 0
+        queued = self._q_index.get(pid)
+        if (queued and not queued.keys().isdisjoint(engine_hashes)) or (
+            self._q_blocks and self._h.used + self._q_weight > self.max_entries
+        ):
+            self._flush()  # keep the order of effects: queued stores (and their evictions) come first
+        unknown = self._unknown.get(pid)
+        left = self._r_left.get(pid)
+        if left is None:
+            left = self._r_left[pid] = {}
+        bit = 1 << tid
+        removed = 0
+        h_info = self._h.record_info_of
+        for h in engine_hashes:
+            if unknown:
+                unknown.pop(h, None)
+            info = h_info(pid, h)
+            if info < 0:
+                continue
+            tiers = left.get(h, info >> TIER_SHIFT)
+            if tiers & bit:
+                left[h] = tiers & ~bit
+                removed += (info >> 8) & MAX_KEYS_PER_RECORD
+                self._r_units.append((pid, h, tid))
+        if len(self._r_units) >= _FLUSH_BLOCKS:
+            self._flush()
+        return removed
+
+    def clear_pod(self, pod: str) -> int:
+        """Drop everything of the pod (AllBlocksCleared, engine restart, pod removal); returns the
+        entries removed."""
+        pid = self._pod_ids.get(pod)
+        if pid is None:
+            return 0
+        self._flush()
+        removed = self._h.remove_units(*self._h.units_of_pod(pid))
+        self._unknown.pop(pid, None)
+        del self._pod_ids[pod]
+        self._pod_names[pid] = None
+        self._free_ids.append(pid)
+        return removed
+
+    def flush(self) -> None:
+        """Apply queued work now (reads do it themselves; a caller may do it when idle)."""
+        self._flush()
+
+    # -- reads -----------------------------------------------------------------------------
+    def lookup(
+        self, keys: npt.NDArray[np.uint64] | Sequence[int], pods: Sequence[str]
+    ) -> dict[str, dict[str, int]]:
+        """For each pod: for each tier on which the pod holds a consecutive prefix of the prompt's blocks
+        (from block 0), its length; plus "any": the consecutive prefix held on any tier (a block may sit on
+        one tier, the next on another). Pods the index does not know map to {}. One pass: one batched
+        probe per (key, 32-pod chunk, tier), then running ANDs of the pod bit masks."""
+        out: dict[str, dict[str, int]] = {name: {} for name in pods}
+        held = self._held(keys, pods)
+        if held is None:
+            return out
+        known, tiers, chunk_at, masks = held
+        runs = np.empty((len(tiers) + 1, *masks.shape[1:]), dtype=np.uint32)
+        runs[:-1] = masks
+        np.bitwise_or.reduce(masks, axis=0, out=runs[-1])
+        np.bitwise_and.accumulate(runs, axis=2, out=runs)
+        lengths = _bit_counts(runs).tolist()  # prefix length of pod bit q = blocks whose running AND has q
+        names = [self._tier_names[t] for t in tiers]
+        for name, pid in known:
+            ci, q = chunk_at[pid >> CHUNK_BITS], pid & 31
+            res = {"any": lengths[-1][ci][q]}
+            for ti, tname in enumerate(names):
+                length = lengths[ti][ci][q]
+                if length:
+                    res[tname] = length
+            out[name] = res
+        return out
+
+    def lookup_weighted(
+        self,
+        keys: npt.NDArray[np.uint64] | Sequence[int],
+        pods: Sequence[str],
+        weights: Mapping[str, float],
+        unknown: float = 0.0,
+    ) -> dict[str, float]:
+        """For each pod the index knows: the sum, over the consecutive prefix of the prompt's blocks held on
+        any tier ("any" of `lookup`), of the weight of the best tier holding each block there (`weights`
+        by tier name, `unknown` for tiers not in it). Pods the index does not know are left out."""
+        held = self._held(keys, pods)
+        if held is None:
+            return {}
+        known, tiers, chunk_at, masks = held
+        run = np.bitwise_or.reduce(masks, axis=0)
+        np.bitwise_and.accumulate(run, axis=1, out=run)
+        total = np.zeros((len(chunk_at), 32))
+        covered = np.zeros_like(run)
+        by_weight = sorted(range(len(tiers)), key=lambda i: -weights.get(self._tier_names[tiers[i]], unknown))
+        for i in by_weight:
+            w = weights.get(self._tier_names[tiers[i]], unknown)
+            if w:
+                total += w * _bit_counts(masks[i] & run & ~covered)
+            covered |= masks[i]
+        sums = total.tolist()
+        return {name: sums[chunk_at[pid >> CHUNK_BITS]][pid & 31] for name, pid in known}
+
+    def _held(
+        self, keys: npt.NDArray[np.uint64] | Sequence[int], pods: Sequence[str]
+    ) -> tuple[list[tuple[str, int]], list[int], dict[int, int], npt.NDArray[np.uint32]] | None:
+        """The known pods, the tiers they hold anything on, chunk -> row, and the (tier, chunk, block)
+        masks of which pods hold each block; None when no pod is known."""
+        self._flush()
+        units = self._h.units
+        known = [(name, pid) for name in pods if (pid := self._pod_ids.get(name)) is not None and units[pid]]
+        if not known:
+            return None
+        arr = np.asarray(keys, dtype=np.uint64)
+        pids = np.array([p for _, p in known], dtype=np.intp)
+        tiers = np.flatnonzero(self._h.counts[pids].any(axis=0)).tolist()
+        chunks = sorted({p >> CHUNK_BITS for _, p in known})
+        rows = [c | (t << 11) for t in tiers for c in chunks]
+        masks = self._h.masks(arr, rows).reshape(len(tiers), len(chunks), len(arr))
+        return known, tiers, {c: i for i, c in enumerate(chunks)}, masks
+
+    def pod_counts(self, pod: str) -> dict[str, int]:
+        """Blocks (entries) per tier held by the pod."""
+        self._flush()
+        pid = self._pod_ids.get(pod)
+        if pid is None:
+            return {}
+        row = self._h.counts[pid].tolist()
+        return {self._tier_names[t]: row[t] for t in range(len(self._tier_names)) if row[t]}
+
+    def pods(self) -> list[str]:
+        """Pods holding anything (sorted)."""
+        self._flush()
+        units = self._h.units
+        return sorted(n for pid, n in enumerate(self._pod_names) if n is not None and units[pid] > 0)
+
+    def stats(self) -> IndexStats:
+        self._flush()
+        h = self._h
+        return IndexStats(
+            entries=h.entries,
+            max_entries=self.max_entries,
+            evicted=self._evicted,
+            orphans=self._orphans,
+            orphan_descendants=self._descendants,
+            rejected=self._rejected,
+            engine_blocks=h.records.size,
+            nbytes=h.nbytes(),
+        )
+
+    # -- internals -------------------------------------------------------------------------
+    def _new_pod(self, pod: str) -> int:
+        if self._free_ids:
+            pid = self._free_ids.pop()
+        elif len(self._pod_names) < MAX_PODS:
+            pid = len(self._pod_names)
+            self._pod_names.append(None)
+            self._h.ensure_pod(pid)
+        else:
+            return -1
+        self._pod_ids[pod] = pid
+        self._pod_names[pid] = pod
+        return pid
+
+    def _new_tier(self, tier: str) -> int:
+        if len(self._tier_names) >= MAX_TIERS:
+            return -1
+        tid = self._h.add_tier()
+        self._tier_ids[tier] = tid
+        self._tier_names.append(tier)
+        return tid
+
+    def _root_state(self, root: int) -> int:
+        s = self._roots.get(root)
+        if s is None:
+            if len(self._roots) >= _ROOT_CACHE:
+                self._roots.clear()
+            s = self._roots[root] = state_of(root)
+        return s
+
+    def _orphan(self, pid: int, parent: int, engine_hashes: Sequence[int]) -> StoreOutcome:
+        self._orphans += 1
+        unknown = self._unknown.get(pid)
+        if unknown is not None and parent in unknown:
+            self._descendants += 1
+        self._forget_chain(pid, engine_hashes)
+        return StoreOutcome(0, True)
+
+    def _forget_chain(self, pid: int, engine_hashes: Sequence[int]) -> None:
+        unknown = self._unknown.get(pid)
+        if unknown is None:
+            unknown = self._unknown[pid] = {}
+        for h in engine_hashes:
+            unknown[h] = None
+        while len(unknown) > self.max_unknown:
+            del unknown[next(iter(unknown))]
+
+    def _flush(self) -> None:
+        h = self._h
+        if self._r_units:
+            pods, hashes, tiers = zip(*self._r_units, strict=True)
+            slots = h.records.find(_u64(hashes), np.array(pods, dtype=np.uint16))
+            h.remove_units(slots, np.array(tiers, dtype=np.intp))
+        if self._q_blocks:
+            tokens = self._q_tokens
+            if all(isinstance(t, np.ndarray) for t in tokens):
+                flat: npt.NDArray[np.integer] = np.concatenate(tokens)
+            else:
+                flat = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=self._q_tok)
+            ev = np.array(self._q_ev, dtype=np.intp)
+            h.add(
+                Batch(
+                    pid=ev[:, 0],
+                    tid=ev[:, 1],
+                    n=ev[:, 2],
+                    ntok=ev[:, 3],
+                    ebs=ev[:, 4],
+                    s0=self._q_s0,
+                    pref=ev[:, 5],
+                    npend0=ev[:, 6],
+                    hashes=_u64(self._q_hashes),
+                    tiers=sorted({e[1] for e in self._q_ev}),
+                    dups=self._q_dups,
+                    tokens=flat,
+                )
+            )
+        if self._r_units or self._q_blocks:
+            self._reset_queue()
+        if h.used > self.max_entries:
+            target = max(0, self.max_entries - self.evict_headroom)
+            self._evicted += h.evict(h.used - target)
+
+
+def _bit_counts(masks: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
+    """(..., n) uint32 masks -> (..., 32): for every bit, the number of the n masks that have it."""
+    as_bytes = masks.astype("<u4").view(np.uint8).reshape(*masks.shape, 4)
+    bits = np.unpackbits(as_bytes, axis=-1, bitorder="little")  # (..., n, 32)
+    counts: npt.NDArray[np.int64] = bits.sum(axis=-2, dtype=np.int64)
+    return counts
+
+
+def _u64(values: Sequence[int]) -> npt.NDArray[np.uint64]:
+    try:
+        return np.array(values, dtype=np.uint64)
+    except OverflowError:  # signed (SGLang) or oversized hashes that bypassed the decoder
+        return np.array([v & MASK64 for v in values], dtype=np.uint64)

@@ -1,0 +1,357 @@
+"""A request's prompt -> the token ids the engine computes, from a local Hugging Face tokenizer directory.
+
+Pure apart from reading the tokenizer files once at load time (no network, no clock, no global random).
+
+What "as the engine would" means here (vLLM with a fast Hugging Face tokenizer, transformers v5 rules):
+
+- Completions: a token-id prompt is used as given; a text prompt is `encode(text, add_special_tokens=True)`.
+- Chat: the messages are rendered with the model's chat template (`chat_template.py`), then encoded with
+  `add_special_tokens=False`: the template writes the bos token itself, nothing is added on top.
+- Loading: `tokenizer.json` as it is (its post-processor decides what `add_special_tokens=True` adds;
+  transformers 5 drops `add_bos_token` / `add_eos_token` from the config when tokenizer.json exists, and
+  so do we), then `tokenizer_config.json` for the named special tokens (`bos_token`, ..., and
+  `extra_special_tokens` / `additional_special_tokens`; those missing from the added vocabulary are added
+  as special tokens, as transformers 5 does) and the chat template (`chat_template.jinja` or
+  `chat_template.json` beside it win). `split_special_tokens` is honoured; truncation and padding from
+  the file are switched off. The named special tokens are the template's `bos_token`, `eos_token`, ...
+
+Speed: repeated long prefixes are not tokenized again. `prefix_cache.py` keeps the ids of text chunks
+cut at stable boundaries (which cuts are stable for which pipelines, checked at load time:
+`stable_cuts.py`), each verified once on insert; the result is always exactly `encode(full text)`. When
+no kind of cut is stable for a tokenizer, the cache is bypassed: the ids are still exact, just not faster.
+`add_special_tokens=True` adds the post-processor's prefix/suffix ids around the cached body when the
+probes show that this is all it does (else that call is not cached).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Tokenizer
+
+from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
+from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
+from epp.kvindex.stable_cuts import special_affixes, stable_chunker
+from epp.types import InferenceRequest
+
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+DEFAULT_CHUNK_CHARS = 1024
+_PARALLEL_CHARS = 32 * 1024
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory or template is unusable, or a prompt cannot be tokenized as the engine would."""
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON: {e}") from e
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+class PromptTokenizer:
+    """One model's tokenizer and chat template, with a bounded prefix cache. See the module docstring.
+
+    It takes over the `tokenizers.Tokenizer` it is given (switches truncation and padding off, may add
+    special tokens). Not thread-safe: one owner (the event loop) calls it. Ids come back as int32 arrays.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        name: str,
+        config: Mapping[str, Any] | None = None,
+        spec: Mapping[str, Any] | None = None,
+        chat_templates: Mapping[str, str] | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
+        now: Callable[[], datetime] | None = None,
+        template_origin: str = "",
+    ) -> None:
+        """`spec`: the parsed tokenizer.json (to decide which cuts are stable); `template_origin`: the file
+        the chat templates came from (for error messages)."""
+        self.name = name
+        config = config or {}
+        self._tok = tokenizer
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        if config.get("split_special_tokens"):
+            self._tok.encode_special_tokens = True
+        self.special_tokens: dict[str, str] = {}
+        if self._add_named_special_tokens(config):
+            spec = None  # the added vocabulary changed: describe the tokenizer as it now is
+        self._templates: dict[str, ChatTemplate] = {}
+        for template_name, source in (chat_templates or {}).items():
+            try:
+                self._templates[template_name] = ChatTemplate(
+                    source, special_tokens=self.special_tokens, now=now
+                )
+            except ChatTemplateError as e:
+                where = f" in {template_origin}" if template_origin else ""
+                raise TokenizerError(f"{name}: chat template {template_name!r}{where}: {e}") from e
+        chunker, self.chunking_notes = stable_chunker(
+            self._tok, spec or json.loads(tokenizer.to_str()), chunk_chars
+        )
+        self._cache = PrefixCache(self._encode_body, self._encode_bodies, chunker, max_bytes=cache_bytes)
+        self._affixes = special_affixes(tokenizer)
+        if self._affixes is None:
+            self.chunking_notes.append("add_special_tokens=True is not a fixed prefix/suffix: not cached")
+
+    @classmethod
+    def from_dir(
+        cls,
+        path: str | Path,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
+        now: Callable[[], datetime] | None = None,
+        name: str | None = None,
+    ) -> PromptTokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, chat template files) from a local directory.
+
+        `now` gives templates a wall clock (`strftime_now`, e.g. Llama 3.1's "Today Date"); without one,
+        templates see `strftime_now` undefined (most fall back to a fixed date; others raise).
+        """
+        root = Path(path)
+        label = name or str(root)
+        if not root.is_dir():
+            raise TokenizerError(f"{label}: tokenizer directory {root} does not exist")
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"{label}: {tokenizer_file} is missing (only fast tokenizers are supported)")
+        spec = _read_json(tokenizer_file)
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust side raises plain Exception
+            raise TokenizerError(f"{tokenizer_file}: not a tokenizers file: {e}") from e
+        config_file = root / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{config_file}: expected a JSON object")
+        templates, origin = cls._template_sources(root, config)
+        return cls(
+            tokenizer,
+            name=label,
+            config=config,
+            spec=spec,
+            chat_templates=templates,
+            cache_bytes=cache_bytes,
+            chunk_chars=chunk_chars,
+            now=now,
+            template_origin=origin,
+        )
+
+    @staticmethod
+    def _template_sources(root: Path, config: Mapping[str, Any]) -> tuple[dict[str, str], str]:
+        jinja_file, json_file = root / "chat_template.jinja", root / "chat_template.json"
+        if jinja_file.is_file():
+            try:
+                return {"default": jinja_file.read_text(encoding="utf-8")}, str(jinja_file)
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja_file}: cannot read: {e}") from e
+        where, value = root / "tokenizer_config.json", config.get("chat_template")
+        if json_file.is_file():
+            where, value = json_file, _read_json(json_file)
+            value = value.get("chat_template") if isinstance(value, dict) else None
+        if value is None:
+            return {}, ""
+        if isinstance(value, str):
+            return {"default": value}, str(where)
+        if isinstance(value, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in value
+        ):
+            return {t["name"]: t["template"] for t in value}, str(where)
+        raise TokenizerError(f"{where}: chat_template must be a string or a list of {{name, template}}")
+
+    def _add_named_special_tokens(self, config: Mapping[str, Any]) -> bool:
+        """Record the named special tokens; add those the tokenizer lacks (as transformers 5 does)."""
+        values: list[Any] = [config.get(k) for k in _SPECIAL_KEYS]
+        self.special_tokens = {
+            k: t for k, v in zip(_SPECIAL_KEYS, values, strict=True) if (t := _token_text(v))
+        }
+        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+        if isinstance(extra, Mapping):  # model-specific named tokens (image_token, ...)
+            self.special_tokens.update((str(k), t) for k, v in extra.items() if (t := _token_text(v)))
+            values += list(extra.values())
+        elif isinstance(extra, list):
+            values += extra
+        present = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        missing: dict[str, AddedToken] = {}
+        for value in values:
+            content = _token_text(value)
+            if content and content not in present and content not in missing:
+                flags = value if isinstance(value, Mapping) else {}
+                missing[content] = AddedToken(
+                    content,
+                    single_word=bool(flags.get("single_word", False)),
+                    lstrip=bool(flags.get("lstrip", False)),
+                    rstrip=bool(flags.get("rstrip", False)),
+                    normalized=bool(flags.get("normalized", False)),
+                    special=True,
+                )
+        if missing:
+            self._tok.add_special_tokens(list(missing.values()))
+        return bool(missing)
+
+    def _encode_body(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def _encode_bodies(self, texts: list[str]) -> list[list[int]]:
+        if sum(map(len, texts)) < _PARALLEL_CHARS:  # a thread-pool batch costs ~0.1 ms before any work
+            return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    # --- public API ---
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._templates)
+
+    @property
+    def chunker(self) -> Chunker:
+        """Where prompts are cut for the prefix cache (see `chunking_notes` for the kinds turned off)."""
+        return self._cache.chunker
+
+    def encode_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> TokenIds:
+        """A completions prompt: token ids are used as given; text is encoded with special tokens added."""
+        if isinstance(prompt, str):
+            return self.encode_text(prompt, add_special_tokens=add_special_tokens)
+        try:
+            ids = np.asarray(prompt, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TokenizerError(f"{self.name}: prompt is neither text nor a list of token ids") from e
+        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() > np.iinfo(TOKEN_DTYPE).max)):
+            raise TokenizerError(f"{self.name}: prompt token ids must be a flat list of non-negative ids")
+        return ids.astype(TOKEN_DTYPE)
+
+    def encode_text(self, text: str, *, add_special_tokens: bool) -> TokenIds:
+        """`encode(text, add_special_tokens=...)`, using the prefix cache."""
+        if add_special_tokens:
+            if self._affixes is None:
+                return np.asarray(self._tok.encode(text).ids, dtype=TOKEN_DTYPE)
+            prefix, suffix = self._affixes
+            body = self._cache.encode(text)
+            if not prefix and not suffix:
+                return body
+            return np.concatenate(
+                [np.asarray(prefix, dtype=TOKEN_DTYPE), body, np.asarray(suffix, dtype=TOKEN_DTYPE)]
+            )
+        return self._cache.encode(text)
+
+    def encode_uncached(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The reference: the whole text in one tokenizer call (no cache)."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        documents: Any = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text the engine builds from these messages with the model's chat template."""
+        if not self._templates:
+            raise TokenizerError(f"{self.name}: the tokenizer has no chat_template")
+        template = self._templates.get("tool_use") if tools else None
+        template = template or self._templates.get("default") or next(iter(self._templates.values()))
+        try:
+            return template.render(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+            )
+        except ChatTemplateError as e:
+            raise TokenizerError(f"{self.name}: chat template: {e}") from e
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        documents: Any = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> TokenIds:
+        """Render with the chat template, then encode without adding special tokens (vLLM's default)."""
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.encode_text(text, add_special_tokens=add_special_tokens)
+
+    def encode_request(self, request: InferenceRequest) -> TokenIds | None:
+        """The prompt ids of a parsed request (chat messages, else the completions prompt), or None."""
+        if request.messages is not None:
+            return self.encode_chat(request.messages)
+        if request.prompt is not None:
+            return self.encode_prompt(request.prompt)
+        return None
+
+    def cache_stats(self) -> dict[str, int]:
+        """hits / misses (chunks), bytes, entries, evictions, unstable (chunks that failed verification),
+        tokenized_chars (characters given to the tokenizer through the cache)."""
+        return self._cache.stats()
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+
+class TokenizerRegistry:
+    """model name -> PromptTokenizer, `{model: path}`; unknown model -> None (precise scoring off)."""
+
+    def __init__(
+        self,
+        paths: Mapping[str, str | Path],
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
+        now: Callable[[], datetime] | None = None,
+    ) -> None:
+        """Loads every tokenizer now; a bad one raises TokenizerError naming the model."""
+        self._by_model: dict[str, PromptTokenizer] = {}
+        for model, path in paths.items():
+            try:
+                self._by_model[model] = PromptTokenizer.from_dir(
+                    path, cache_bytes=cache_bytes, chunk_chars=chunk_chars, now=now, name=model
+                )
+            except TokenizerError as e:
+                raise TokenizerError(f"model {model!r} (tokenizer at {path}): {e}") from e
+
+    def get(self, model: str) -> PromptTokenizer | None:
+        return self._by_model.get(model)
+
+    def models(self) -> list[str]:
+        return list(self._by_model)

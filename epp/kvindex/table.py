@@ -1,0 +1,450 @@
+"""A bucketized cuckoo hash table over numpy arrays: (uint64 key, small tag) -> slot. Pure.
+
+Every item has two candidate buckets of `BUCKET` slots, both derived from one 64-bit mix of key and tag.
+A lookup reads at most two buckets (two contiguous runs of slots), so batched lookups are a fixed
+number of numpy operations, whatever the load; the table runs at up to 90 % load (memory is the point).
+The occupied slots of a bucket are always its first `count[b]`: a deletion moves the bucket's last
+item into the hole. Payload columns (named 1-D arrays) move with their items, so a slot number is only
+valid until the next insert or delete of the same table.
+
+Tags are unsigned ints of a fixed dtype; the dtype's maximum marks an empty slot and is never a valid
+tag. Inserting keeps a batch vectorised: each item goes to the emptier of its two buckets, then to the
+other one; the few left (both buckets full) take the classic cuckoo walk, one at a time, and a walk
+that fails grows the table (by `growth`) and rehashes everything.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from epp.kvindex.keys import MASK64, fmix_array
+
+BUCKET: Final = 8
+_SLOTS: Final = np.arange(BUCKET)
+_TAG_MUL: Final = 0xD6E8FEB86659FD93
+_U_TAG_MUL: Final = np.uint64(_TAG_MUL)
+_U32: Final = np.uint64(32)
+_LOW32: Final = np.uint64(0xFFFFFFFF)
+_MAX_KICKS: Final = 256
+_RELOCATE_ROUNDS: Final = 8
+_REHASH_ITEMS: Final = 1 << 20
+
+_MMAP_BYTES: Final = 1 << 20
+
+Index = npt.NDArray[np.intp]
+Array = npt.NDArray[Any]
+
+
+def filled(n: int, dtype: type[np.generic], value: int) -> Array:
+    """An array of n `value`s. Large ones live in their own anonymous memory mapping, so that the
+    memory returns to the OS as soon as the array is dropped (a table that grows frees its old arrays;
+    from malloc's heap they would stay resident as fragments)."""
+    size = n * np.dtype(dtype).itemsize
+    if size < _MMAP_BYTES:
+        return np.full(n, value, dtype=dtype)
+    mem = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mem.madvise(mmap.MADV_HUGEPAGE)  # random access: fewer TLB misses
+    arr: Array = np.frombuffer(mem, dtype=dtype)
+    if value:
+        arr.fill(value)
+    return arr
+
+
+class HashTable:
+    def __init__(
+        self,
+        tag_dtype: type[np.unsignedinteger[Any]],
+        columns: Mapping[str, tuple[type[np.generic], int]],
+        *,
+        buckets: int = 16,
+        max_load: float = 0.92,
+        growth: float = 1.3,
+    ) -> None:
+        """`columns`: name -> (dtype, value of an empty slot)."""
+        self.tag_dtype = np.dtype(tag_dtype)
+        self.empty_tag = int(np.iinfo(self.tag_dtype).max)
+        self.max_load = max_load
+        self.growth = growth
+        self.specs: dict[str, tuple[type[np.generic], int]] = dict(columns)
+        self.size = 0
+        self._alloc(max(2, buckets))
+
+    def _alloc(self, buckets: int) -> None:
+        self.nb = buckets
+        cap = buckets * BUCKET
+        self.keys: npt.NDArray[np.uint64] = filled(cap, np.uint64, 0)
+        self.tags: Array = filled(cap, self.tag_dtype.type, self.empty_tag)
+        self.count: npt.NDArray[np.uint8] = filled(buckets, np.uint8, 0)
+        self.cols: dict[str, Array] = {n: filled(cap, t, d) for n, (t, d) in self.specs.items()}
+        self._scratch: npt.NDArray[np.int32] = filled(buckets, np.int32, 0)  # one winner per bucket
+        self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.nb * BUCKET
+
+    def nbytes(self) -> int:
+        return int(
+            self.keys.nbytes
+            + self.tags.nbytes
+            + self.count.nbytes
+            + sum(c.nbytes for c in self.cols.values())
+        )
+
+    def add_column(self, name: str, dtype: type[np.generic], empty: int) -> None:
+        self.specs[name] = (dtype, empty)
+        self.cols[name] = filled(self.capacity, dtype, empty)
+
+    # -- hashing -----------------------------------------------------------------------
+    def _pairs(self, keys: npt.NDArray[np.uint64], tags: Array) -> tuple[Index, Index]:
+        h = fmix_array(keys ^ (tags.astype(np.uint64) * _U_TAG_MUL))
+        nb = np.uint64(self.nb)
+        b1 = (((h >> _U32) * nb) >> _U32).astype(np.intp)
+        b2 = (((h & _LOW32) * nb) >> _U32).astype(np.intp)
+        same = b1 == b2
+        b2[same] = (b1[same] + 1) % self.nb
+        return b1, b2
+
+    def _pair(self, key: int, tag: int) -> tuple[int, int]:
+        x = key ^ ((tag * _TAG_MUL) & MASK64)  # fmix, inlined
+        x ^= x >> 33
+        x = (x * 0xFF51AFD7ED558CCD) & MASK64
+        x ^= x >> 33
+        x = (x * 0xC4CEB9FE1A85EC53) & MASK64
+        x ^= x >> 33
+        nb = self.nb
+        b1 = ((x >> 32) * nb) >> 32
+        b2 = ((x & 0xFFFFFFFF) * nb) >> 32
+        return b1, (b1 + 1) % nb if b2 == b1 else b2
+
+    # -- lookup --------------------------------------------------------------------------
+    def find(self, keys: npt.NDArray[np.uint64], tags: Array) -> Index:
+        """Slot of each (key, tag), -1 where absent."""
+        return self._find(keys, tags)[0]
+
+    def _find(self, keys: npt.NDArray[np.uint64], tags: Array) -> tuple[Index, Index, Index]:
+        """Slots (-1 where absent) and the two buckets of each item."""
+        n = len(keys)
+        out = np.full(n, -1, dtype=np.intp)
+        if n == 0:
+            return out, out, out
+        b1, b2 = self._pairs(keys, tags)
+        if self.size == 0:
+            return out, b1, b2
+        out[:] = self._match(b1, keys, tags)
+        todo = np.flatnonzero(out < 0)
+        if todo.size:
+            out[todo] = self._match(b2[todo], keys[todo], tags[todo])
+        return out, b1, b2
+
+    def _match(self, buckets: Index, keys: npt.NDArray[np.uint64], tags: Array) -> Index:
+        """Slot of each item in its bucket `buckets`, or -1."""
+        out = np.full(len(keys), -1, dtype=np.intp)
+        m = self.keys.reshape(self.nb, BUCKET).take(buckets, axis=0) == keys[:, None]
+        word = m.view(np.uint64).ravel()  # 8 bools -> one word; a single match is 1 << (8 * position)
+        rows = np.flatnonzero(word)
+        if rows.size == 0:
+            return out
+        w = word[rows]
+        single = (w & (w - np.uint64(1))) == 0
+        r = rows[single]
+        at = buckets[r] * BUCKET + (np.log2(w[single]) / 8).astype(np.intp)
+        ok = self.tags[at] == tags[r]
+        out[r[ok]] = at[ok]
+        for i in rows[~single].tolist():  # the same key under several tags in one bucket (rare)
+            for j in np.flatnonzero(m[i]).tolist():
+                slot = int(buckets[i]) * BUCKET + j
+                if self.tags[slot] == tags[i]:
+                    out[i] = slot
+        return out
+
+    def find_one(self, key: int, tag: int) -> int:
+        """Slot of (key, tag) or -1: scalar code for one item (cheaper than a batch of one). Reads whole
+        buckets: slots past a bucket's count carry the empty tag."""
+        if self.size == 0:
+            return -1
+        b1, b2 = self._pair(key, tag)
+        for b in (b1, b2):
+            base = b * BUCKET
+            ks = self.keys[base : base + BUCKET].tolist()
+            if key in ks:
+                ts = self.tags[base : base + BUCKET].tolist()
+                for i in range(ks.index(key), BUCKET):
+                    if ks[i] == key and ts[i] == tag:
+                        return base + i
+        return -1
+
+    def occupied(self) -> Index:
+        return np.flatnonzero(_SLOTS[None, :] < self.count[:, None])
+
+    # -- insert --------------------------------------------------------------------------
+    def upsert(
+        self, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]
+    ) -> tuple[Index, npt.NDArray[np.bool_]]:
+        """Slot of every (key, tag), inserting the absent ones with their column values (an item present
+        several times in the batch is inserted once, with the values of its first occurrence). Returns
+        the slots and which items were inserted (one per distinct new item)."""
+        n = len(keys)
+        new = np.zeros(n, dtype=bool)
+        slots, b1, b2 = self._find(keys, tags)
+        miss = np.flatnonzero(slots < 0)
+        if miss.size:
+            slot_of, placed, moved = self._insert(
+                miss, keys, tags, values, dedupe=True, pairs=(b1[miss], b2[miss])
+            )
+            new[placed] = True
+            if moved:
+                return self.find(keys, tags), new
+            slots[placed] = slot_of[placed]
+            copies = np.flatnonzero(slots < 0)
+            if copies.size:
+                slots[copies] = self.find(keys[copies], tags[copies])
+        return slots, new
+
+    def insert(
+        self, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]
+    ) -> tuple[Index, bool]:
+        """Insert new, distinct (key, tag) items with their column values. Returns their slots, and
+        whether items already in the table moved (then earlier slot numbers are stale)."""
+        n = len(keys)
+        if n == 0:
+            return np.zeros(0, dtype=np.intp), False
+        slot_of, _, moved = self._insert(np.arange(n), keys, tags, values, dedupe=False)
+        return (self.find(keys, tags) if moved else slot_of), moved
+
+    def _insert(
+        self,
+        items: Index,
+        keys: npt.NDArray[np.uint64],
+        tags: Array,
+        values: Mapping[str, Array],
+        *,
+        dedupe: bool,
+        pairs: tuple[Index, Index] | None = None,
+    ) -> tuple[Index, Index, bool]:
+        """Place `items` (indices into keys / tags / values). Returns the slot of each placed item (by
+        index; valid unless items moved), the items placed (with `dedupe`, a later copy of an item is
+        not placed) and whether other items moved."""
+        moved = False
+        if self.size + len(items) > self.max_load * self.capacity:
+            self._grow(self.size + len(items))
+            moved = True
+            pairs = None
+        b1, b2 = pairs if pairs is not None else self._pairs(keys[items], tags[items])
+        pos = np.full(len(keys), -1, dtype=np.intp)
+        pos[items] = np.arange(len(items))
+        slot_of = np.full(len(keys), -1, dtype=np.intp)
+        placed: list[Index] = []
+        todo = items
+        while todo.size:
+            p = pos[todo]
+            c1, c2 = b1[p], b2[p]
+            tgt = np.where(self.count[c2] < self.count[c1], c2, c1)
+            room = self.count[tgt] < BUCKET
+            stuck = todo[~room]
+            todo, tgt = todo[room], tgt[room]
+            self._scratch[tgt[::-1]] = todo[::-1]  # the first item aiming at a bucket wins it this round
+            win = self._scratch[tgt] == todo
+            w, wt = todo[win], tgt[win]
+            at = wt * BUCKET + self.count[wt]
+            self._write(at, keys[w], tags[w], values, w)
+            slot_of[w] = at
+            self.count[wt] += 1
+            self.size += len(w)
+            placed.append(w)
+            todo = todo[~win]
+            if dedupe and todo.size:  # a copy of an item placed this round is no longer absent
+                todo = todo[self.find(keys[todo], tags[todo]) < 0]
+            if stuck.size:
+                if dedupe:
+                    stuck = stuck[self.find(keys[stuck], tags[stuck]) < 0]
+                    h = fmix_array(keys[stuck] ^ (tags[stuck].astype(np.uint64) * _U_TAG_MUL))
+                    _, first = np.unique(h, return_index=True)
+                    stuck = stuck[np.sort(first)]
+                for _ in range(_RELOCATE_ROUNDS):
+                    if stuck.size == 0:
+                        break
+                    ok = self._relocate(stuck, keys, tags, values)
+                    if not ok.any():
+                        break
+                    moved = True
+                    placed.append(stuck[ok])
+                    stuck = stuck[~ok]
+                for i in stuck.tolist():
+                    row = {name: values[name][i] for name in values}
+                    moved |= self._cuckoo(int(keys[i]), int(tags[i]), row)
+                placed.append(stuck)
+                if moved and todo.size:  # bucket numbers may have changed (rehash)
+                    b1, b2 = self._pairs(keys[items], tags[items])
+        return slot_of, np.concatenate([np.zeros(0, dtype=np.intp), *placed]), moved
+
+    def _relocate(
+        self, todo: Index, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]
+    ) -> npt.NDArray[np.bool_]:
+        """One vectorised cuckoo step for items whose buckets are both full: move an occupant of one
+        of them to its other bucket when that has room, and take its slot. Returns the items placed."""
+        b1, b2 = self._pairs(keys[todo], tags[todo])
+        cand = np.concatenate([b1[:, None] * BUCKET + _SLOTS, b2[:, None] * BUCKET + _SLOTS], axis=1)
+        flat = cand.ravel()
+        o1, o2 = self._pairs(self.keys[flat], self.tags[flat])
+        home = flat // BUCKET
+        alt = np.where(o1 == home, o2, o1).reshape(cand.shape)
+        free = self.count[alt] < BUCKET
+        choice = free.argmax(axis=1)
+        rows = np.flatnonzero(free[np.arange(len(todo)), choice])
+        vslot = cand[rows, choice[rows]]
+        valt = alt[rows, choice[rows]]
+        _, keep = np.unique(vslot, return_index=True)  # two items may pick the same occupant
+        keep.sort()
+        rows, vslot, valt = rows[keep], vslot[keep], valt[keep]
+        order = np.argsort(valt, kind="stable")
+        sv = valt[order]
+        start = np.r_[True, sv[1:] != sv[:-1]]
+        first_pos = np.maximum.accumulate(np.where(start, np.arange(len(sv)), 0))
+        rank = np.empty(len(sv), dtype=np.intp)
+        rank[order] = np.arange(len(sv)) - first_pos
+        used = self.count[valt].astype(np.intp)
+        ok = rank < BUCKET - used
+        rows, vslot, valt = rows[ok], vslot[ok], valt[ok]
+        dest = valt * BUCKET + used[ok] + rank[ok]
+        self.keys[dest] = self.keys[vslot]
+        self.tags[dest] = self.tags[vslot]
+        for col in self.cols.values():
+            col[dest] = col[vslot]
+        grp, cnt = np.unique(valt, return_counts=True)
+        self.count[grp] += cnt.astype(np.uint8)
+        items = todo[rows]
+        self._write(vslot, keys[items], tags[items], values, items, empty=False)
+        placed = np.zeros(len(todo), dtype=bool)
+        placed[rows] = True
+        self.size += len(rows)
+        return placed
+
+    def _write(
+        self,
+        at: Index,
+        keys: npt.NDArray[np.uint64],
+        tags: Array,
+        values: Mapping[str, Array],
+        src: Index,
+        *,
+        empty: bool = True,
+    ) -> None:
+        """Write items to slots; `empty`: the slots are free (past their bucket's count), and free slots
+        hold every column's empty value, so columns without values need no write."""
+        self.keys[at] = keys
+        self.tags[at] = tags
+        for name, col in self.cols.items():
+            v = values.get(name)
+            if v is not None:
+                col[at] = v[src]
+            elif not empty:
+                col[at] = self.specs[name][1]
+
+    def _cuckoo(self, key: int, tag: int, row: dict[str, Any]) -> bool:
+        """Place one item whose buckets are both full by a cuckoo walk; True when other items moved."""
+        for step in range(_MAX_KICKS):
+            b1, b2 = self._pair(key, tag)
+            for b in (b1, b2):
+                if self.count[b] < BUCKET:
+                    at = b * BUCKET + int(self.count[b])
+                    self.keys[at], self.tags[at] = key, tag
+                    for name, col in self.cols.items():
+                        col[at] = row.get(name, self.specs[name][1])
+                    self.count[b] += 1
+                    self.size += 1
+                    return step > 0
+            b = b1 if step % 2 == 0 else b2
+            at = b * BUCKET + (step * 5 + 3) % BUCKET
+            old_key, old_tag = int(self.keys[at]), int(self.tags[at])
+            old_row = {name: col[at] for name, col in self.cols.items()}
+            self.keys[at], self.tags[at] = key, tag
+            for name, col in self.cols.items():
+                col[at] = row.get(name, self.specs[name][1])
+            key, tag, row = old_key, old_tag, old_row
+        # The walk failed: grow, rehash, and place the item still in hand.
+        self._grow(self.size + 1)
+        vals = {name: np.array([v], dtype=self.specs[name][0]) for name, v in row.items()}
+        self.insert(np.array([key], dtype=np.uint64), np.array([tag], dtype=self.tag_dtype), vals)
+        return True
+
+    def _grow(self, items: int) -> None:
+        """Grow so that `items` fit, by `growth` at least (so the load right after is max_load / growth)."""
+        self._rehash(max(int(self.nb * self.growth) + 1, int(items / (self.max_load * BUCKET)) + 1))
+
+    def _rehash(self, buckets: int) -> None:
+        """Move everything into a table of `buckets` buckets, a slice of the old one at a time (bounded
+        temporaries)."""
+        old_keys, old_tags, old_count, old_cols = self.keys, self.tags, self.count, self.cols
+        old_nb = self.nb
+        self._alloc(buckets)
+        step = max(1, _REHASH_ITEMS // BUCKET)
+        for lo in range(0, old_nb, step):
+            hi = min(old_nb, lo + step)
+            occ = lo * BUCKET + np.flatnonzero(_SLOTS[None, :] < old_count[lo:hi, None])
+            values = {name: col[occ] for name, col in old_cols.items()}
+            self._bulk(old_keys[occ], old_tags[occ], values)
+
+    def _bulk(self, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]) -> None:
+        """Place distinct, absent items in a table with room for them (rehash): by sorting on the target
+        bucket, first bucket then second, then the cuckoo steps for the rest."""
+        b1, b2 = self._pairs(keys, tags)
+        todo = np.arange(len(keys))
+        for choice in (b1, b2):
+            if todo.size == 0:
+                break
+            tgt = choice[todo]
+            order = np.argsort(tgt, kind="stable")
+            st = tgt[order]
+            start = np.r_[True, st[1:] != st[:-1]]
+            rank = np.arange(len(st)) - np.maximum.accumulate(np.where(start, np.arange(len(st)), 0))
+            used = self.count[st].astype(np.intp)
+            ok = rank < BUCKET - used
+            put = todo[order[ok]]
+            self._write(st[ok] * BUCKET + used[ok] + rank[ok], keys[put], tags[put], values, put)
+            grp = st[ok][start[ok]]
+            sizes = np.diff(np.r_[np.flatnonzero(start[ok]), ok.sum()])
+            self.count[grp] += sizes.astype(np.uint8)
+            self.size += len(put)
+            todo = todo[order[~ok]]
+        for _ in range(_RELOCATE_ROUNDS):
+            if todo.size == 0:
+                return
+            placed = self._relocate(todo, keys, tags, values)
+            if not placed.any():
+                break
+            todo = todo[~placed]
+        for i in todo.tolist():
+            self._cuckoo(int(keys[i]), int(tags[i]), {name: values[name][i] for name in values})
+
+    # -- delete --------------------------------------------------------------------------
+    def delete(self, slots: Index) -> None:
+        """Delete the items at `slots` (occupied; duplicates allowed); compacts their buckets."""
+        if slots.size == 0:
+            return
+        self.tags[slots] = self.empty_tag  # marks them; empty slots past count[b] carry it too
+        b = slots // BUCKET
+        self._scratch[b] = np.arange(len(b), dtype=np.int32)
+        b = b[self._scratch[b] == np.arange(len(b))]  # each bucket once
+        idx = b[:, None] * BUCKET + _SLOTS
+        old = self.count[b]
+        keep = (_SLOTS[None, :] < old[:, None]) & (self.tags[idx] != self.empty_tag)
+        kept = keep.sum(axis=1)
+        dest = (b[:, None] * BUCKET + np.cumsum(keep, axis=1) - 1)[keep]
+        src = idx[keep]
+        self.keys[dest] = self.keys[src]
+        self.tags[dest] = self.tags[src]
+        for col in self.cols.values():
+            col[dest] = col[src]
+        tail = idx[(_SLOTS[None, :] >= kept[:, None]) & (_SLOTS[None, :] < old[:, None])]
+        self.tags[tail] = self.empty_tag
+        for name, col in self.cols.items():
+            col[tail] = self.specs[name][1]
+        self.count[b] = kept.astype(np.uint8)
+        self.size -= int(old.sum()) - int(kept.sum())

@@ -1,0 +1,212 @@
+"""A KV-event publisher that speaks exactly what vLLM's ZMQ publisher does, for tests and demos.
+
+PUB socket with 3-frame messages `[topic, seq (8 bytes big-endian), msgpack batch]`, a
+ROUTER replay endpoint answering `[b"", start_seq]` with one message per buffered batch
+(`[b"", topic, seq, payload]`, vLLM 0.26+, or `[b"", seq, payload]` with `old_replay=True`)
+and the end marker. Events are msgspec structs shaped like vLLM's (map-encoded as in vLLM
+0.24+, or array-encoded as in 0.9-0.23 with `form="array"`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from typing import Any, Literal
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+END = 0xFFFFFFFFFFFFFFFF
+
+
+class _MapEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class BlockStored(_MapEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+class BlockRemoved(_MapEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(_MapEvent):
+    pass
+
+
+class _ArrayEvent(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+Form = Literal["map", "array"]
+
+
+def stored(
+    hashes: list[int],
+    parent: int | None,
+    token_ids: list[int],
+    block_size: int = 16,
+    medium: str | None = "GPU",
+    lora_name: str | None = None,
+    extra_keys: list[Any] | None = None,
+    form: Form = "map",
+) -> msgspec.Struct:
+    if form == "array":
+        return ArrayBlockStored(list(hashes), parent, list(token_ids), block_size, None, medium, lora_name)
+    return BlockStored(list(hashes), parent, list(token_ids), block_size, None, medium, lora_name, extra_keys)
+
+
+def removed(hashes: list[int], medium: str | None = "GPU", form: Form = "map") -> msgspec.Struct:
+    if form == "array":
+        return ArrayBlockRemoved(list(hashes), medium)
+    return BlockRemoved(list(hashes), medium)
+
+
+def cleared(form: Form = "map") -> msgspec.Struct:
+    return ArrayAllBlocksCleared() if form == "array" else AllBlocksCleared()
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_batch(events: list[Any], dp_rank: int | None = None, ts: float | None = None) -> bytes:
+    return _encoder.encode(EventBatch(time.time() if ts is None else ts, events, dp_rank))
+
+
+class KvEventPublisher:
+    """Bind `endpoint` (PUB) and optionally `replay_endpoint` (ROUTER); `connect=True` connects the PUB
+    instead (the central mode, where engines connect to the router)."""
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:*",
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        connect: bool = False,
+        buffer_steps: int = 10_000,
+        old_replay: bool = False,
+        dp_rank: int | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.connect = connect
+        self.old_replay = old_replay
+        self.dp_rank = dp_rank
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 1_000_000)
+        self.router: zmq.asyncio.Socket | None = None
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.seq = 0
+        self.port = 0
+        self.replay_port = 0
+        self.replay_requests = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> KvEventPublisher:
+        if self.connect:
+            self.pub.connect(self.endpoint)
+        else:
+            self.pub.bind(self.endpoint)
+            self.port = int(self.pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        if self.replay_endpoint is not None:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(self.replay_endpoint)
+            self.replay_port = int(self.router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            self._task = asyncio.create_task(self._serve_replay())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.pub.close(linger=0)
+        if self.router is not None:
+            self.router.close(linger=0)
+        self.ctx.term()
+
+    async def __aenter__(self) -> KvEventPublisher:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def publish(self, events: list[Any], *, send: bool = True, payload: bytes | None = None) -> int:
+        """Publish one batch; `send=False` buffers it for replay without sending (a lost message)."""
+        seq = self.seq
+        self.seq += 1
+        data = payload if payload is not None else encode_batch(events, self.dp_rank)
+        self.buffer.append((seq, data))
+        if send:
+            await self.pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), data])
+        return seq
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    def restart(self) -> None:
+        """Like a restarted engine: the counter starts again at 0 and the replay buffer is empty."""
+        self.seq = 0
+        self.buffer.clear()
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue
+            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            self.replay_requests += 1
+            topic = self.topic.encode()
+            for seq, data in list(self.buffer):
+                if seq >= start:
+                    body = (
+                        [seq.to_bytes(8, "big"), data]
+                        if self.old_replay
+                        else [topic, seq.to_bytes(8, "big"), data]
+                    )
+                    await self.router.send_multipart([ident, b"", *body])
+            end = [END.to_bytes(8, "big"), b""] if self.old_replay else [topic, END.to_bytes(8, "big"), b""]
+            await self.router.send_multipart([ident, b"", *end])

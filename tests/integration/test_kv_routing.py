@@ -1,0 +1,156 @@
+"""End to end: engine KV events published for a prompt's tokens make the EPP route that prompt, through
+the real Envoy, to the pod that holds it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pathlib
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from epp.config import KvEventsConfig, StaticEndpoint, default_config
+from epp.kvindex.keys import block_keys, root_key
+from epp.kvindex.prompt import PromptTokenizer
+from epp.server.app import EppServer, ServerSettings
+from epp.testing.backend import FakeModelServer
+from epp.testing.envoy import EnvoyConfig, EnvoyProcess, free_port
+from epp.testing.kv_publisher import KvEventPublisher, stored
+from epp.testing.tokenizer import build_tiny_tokenizer
+
+from .stack import eventually
+
+BS = 16
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+MODEL = "tiny"
+
+
+@contextlib.asynccontextmanager
+async def cluster(tokenizer_dir: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    port, events = free_port(), free_port()
+    backends = [FakeModelServer(f"pod-{i}", host=h, port=port, model=MODEL) for i, h in enumerate(HOSTS)]
+    for b in backends:
+        await b.start()
+    pubs = [
+        await KvEventPublisher(f"tcp://{h}:{events}", topic=f"kv@{h}:{port}@{MODEL}").start() for h in HOSTS
+    ]
+    cfg = default_config(kv_events=True)
+    cfg = replace(
+        cfg,
+        kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=0.05),
+        tokenizers={MODEL: tokenizer_dir} if tokenizer_dir else {},
+    )
+    settings = ServerSettings(
+        host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0, secure_serving=False, seed=3
+    )
+    epp = EppServer(settings, cfg, [StaticEndpoint(b.address, MODEL) for b in backends])
+    await epp.start()
+    envoy = EnvoyProcess(EnvoyConfig(epp_port=epp.grpc_port))
+    try:
+        await envoy.start()
+        async with aiohttp.ClientSession() as session:
+            # Every pod's publisher reaches the EPP (ZeroMQ's slow joiner) before the test starts.
+            for _ in range(500):
+                for p in pubs:
+                    await p.publish([])
+                if all(b.address in epp.ingest.last_seq for b in backends):
+                    break
+                await asyncio.sleep(0.01)
+            yield {"epp": epp, "envoy": envoy, "backends": backends, "pubs": pubs, "session": session}
+    finally:
+        await envoy.stop()
+        await epp.stop(grace=0.2)
+        for p in pubs:
+            await p.stop()
+        for b in backends:
+            await b.stop()
+
+
+async def post(c: dict[str, Any], path: str, body: dict[str, Any]) -> str:
+    async with c["session"].post(f"{c['envoy'].url}{path}", json=body) as r:
+        assert r.status == 200, await r.text()
+        return str(r.headers["x-served-by"])
+
+
+async def publish_prompt(pub: KvEventPublisher, token_ids: list[int], first_hash: int) -> int:
+    n = len(token_ids) // BS
+    hashes = list(range(first_hash, first_hash + n))
+    await pub.publish([stored(hashes, None, token_ids[: n * BS], BS)])
+    return n
+
+
+async def test_token_id_prompt_goes_to_the_pod_holding_its_prefix() -> None:
+    async with cluster() as c:
+        epp = c["epp"]
+        prompt = [(7 * i) % 5000 for i in range(40 * BS)]
+        holder = c["backends"][1]
+        await publish_prompt(c["pubs"][1], prompt, 1000)
+        await eventually(lambda: epp.kv_index.pod_counts(holder.address).get("gpu") == 40, "blocks indexed")
+        served = [
+            await post(c, "/v1/completions", {"model": MODEL, "prompt": [*prompt, 1, 2, 3]}) for _ in range(4)
+        ]
+        assert served == ["pod-1"] * 4
+        # A prompt sharing nothing with the indexed one is not drawn to pod-1 by the cache.
+        other = [9000 + i for i in range(40 * BS)]
+        pod0 = c["backends"][0]
+        await publish_prompt(c["pubs"][0], other, 5000)
+        await eventually(lambda: epp.kv_index.pod_counts(pod0.address).get("gpu") == 40, "other indexed")
+        assert await post(c, "/v1/completions", {"model": MODEL, "prompt": other}) == "pod-0"
+
+
+async def test_chat_prompt_is_tokenized_with_the_models_template(tmp_path: pathlib.Path) -> None:
+    tok_dir = build_tiny_tokenizer(tmp_path / "tok")
+    tokenizer = PromptTokenizer.from_dir(tok_dir)
+    messages = [
+        {"role": "system", "content": "You are a careful assistant. " * 40},
+        {"role": "user", "content": "Which pod holds this conversation?"},
+    ]
+    ids = [int(t) for t in tokenizer.encode_chat(messages)]
+    assert len(ids) >= 4 * BS
+    async with cluster(str(tok_dir)) as c:
+        epp = c["epp"]
+        holder = c["backends"][2]
+        n = await publish_prompt(c["pubs"][2], ids, 77)
+        await eventually(
+            lambda: epp.kv_index.pod_counts(holder.address).get("gpu") == n, "chat blocks indexed"
+        )
+        # The EPP computes the same keys the events produced.
+        keys = block_keys(ids, BS, root_key(MODEL, None))
+        assert epp.kv_index.lookup(keys, [holder.address])[holder.address]["gpu"] == n
+        body = {"model": MODEL, "messages": messages}
+        assert [await post(c, "/v1/chat/completions", body) for _ in range(3)] == ["pod-2"] * 3
+        # Without the right tokenizer the prompt cannot be keyed, and /debug/index says so.
+        async with c["session"].get(f"http://127.0.0.1:{epp.metrics_port}/debug/index") as r:
+            report = json.loads(await r.text())
+        assert report["tokenizers"] == {MODEL: True}
+        assert report["pods"][holder.address]["blocks"] == {"gpu": n}
+        assert report["pods"][holder.address]["freshness"] in ("fresh", "degraded")
+        assert "careful assistant" not in json.dumps(report)  # no prompt content in debug output
+
+
+async def test_stale_pods_get_no_cache_credit() -> None:
+    async with cluster() as c:
+        epp = c["epp"]
+        prompt = [(11 * i) % 3000 for i in range(40 * BS)]
+        holder = c["backends"][1]
+        await publish_prompt(c["pubs"][1], prompt, 1)
+        await eventually(lambda: epp.kv_index.pod_counts(holder.address).get("gpu") == 40, "indexed")
+        assert await post(c, "/v1/completions", {"model": MODEL, "prompt": prompt}) == "pod-1"
+        # pod-1's publisher goes away: the pod is stale and its blocks earn nothing; load decides.
+        await c["pubs"][1].stop()
+        c["pubs"][1] = await KvEventPublisher("tcp://127.0.0.1:*").start()  # placeholder for cleanup
+        await eventually(
+            lambda: epp.freshness.state(holder.address, epp.clock.now()).reason == "publisher_unreachable",
+            "stale",
+        )
+        holder.waiting = 3  # now the busiest pod
+        await eventually(
+            lambda: epp.datastore.get(holder.address).metrics.waiting == 3,  # type: ignore[union-attr]
+            "load scraped",
+        )
+        served = {await post(c, "/v1/completions", {"model": MODEL, "prompt": prompt}) for _ in range(4)}
+        assert "pod-1" not in served

@@ -1,0 +1,740 @@
+"""The tiered prefix block index against a plain-dict reference model, and its hash table."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from epp.kvindex import index as index_module
+from epp.kvindex.index import BlockIndex, StoreOutcome
+from epp.kvindex.keys import advance, block_keys, key_of, root_key, state_of
+from epp.kvindex.table import HashTable
+
+BS = 16
+ROOT = root_key("model")
+GPU, CPU, DISK = "gpu", "cpu", "storage"
+
+
+# -- reference model ----------------------------------------------------------------------
+@dataclass
+class RefRecord:
+    state: int
+    npend: int
+    keys: list[int]
+    tiers: dict[str, int] = field(default_factory=dict)  # tier -> stamp
+
+
+class ReferenceIndex:
+    """The index's documented semantics with plain dicts, one event at a time."""
+
+    def __init__(
+        self, block_size: int = BS, max_entries: int = 10**9, headroom: int = 0, max_unknown: int = 4096
+    ):
+        self.bs = block_size
+        self.max_entries = max_entries
+        self.headroom = headroom
+        self.max_unknown = max_unknown
+        self.records: dict[tuple[str, int], RefRecord] = {}
+        self.unknown: dict[str, dict[int, None]] = {}
+        self.stamp = 0
+        self.evicted = self.orphans = self.descendants = self.rejected = 0
+
+    def _forget(self, pod: str, hashes: Sequence[int]) -> None:
+        u = self.unknown.setdefault(pod, {})
+        for h in hashes:
+            u[h] = None
+        while len(u) > self.max_unknown:
+            del u[next(iter(u))]
+
+    def store(
+        self,
+        pod: str,
+        hashes: Sequence[int],
+        parent: int | None,
+        tokens: Sequence[int],
+        ebs: int,
+        tier: str,
+        root: int,
+    ) -> StoreOutcome:
+        n, ntok = len(hashes), len(tokens)
+        if n == 0:
+            return StoreOutcome(0, False)
+        if ebs < 1 or not (n - 1) * ebs < ntok <= n * ebs:
+            self.rejected += 1
+            self._forget(pod, hashes)
+            return StoreOutcome(0, False)
+        if parent is None:
+            state, npend = state_of(root), 0
+        else:
+            rec = self.records.get((pod, parent))
+            if rec is None:
+                self.orphans += 1
+                if parent in self.unknown.get(pod, {}):
+                    self.descendants += 1
+                self._forget(pod, hashes)
+                return StoreOutcome(0, True)
+            state, npend = rec.state, rec.npend
+        npend0 = npend
+        u = self.unknown.get(pod)
+        if u:
+            for h in hashes:
+                u.pop(h, None)
+        for j, h in enumerate(hashes):
+            chunk = tokens[j * ebs : (j + 1) * ebs] if j < n - 1 else tokens[j * ebs :]
+            keys = []
+            for t in chunk:
+                state = advance(state, [t])
+                npend += 1
+                if npend == self.bs:
+                    keys.append(key_of(state))
+                    npend = 0
+            rec = self.records.get((pod, h))
+            if rec is None:
+                rec = self.records[(pod, h)] = RefRecord(state, npend, keys)
+            rec.tiers[tier] = self.stamp + n - 1 - j
+        self.stamp += n
+        if self.used() > self.max_entries:
+            self.evict(self.used() - max(0, self.max_entries - self.headroom))
+        return StoreOutcome((npend0 + ntok) // self.bs, False)
+
+    def used(self) -> int:
+        return sum(max(len(r.keys), 1) * len(r.tiers) for r in self.records.values())
+
+    def evict(self, need: int) -> None:
+        units = sorted(
+            (stamp, pod, h, tier) for (pod, h), r in self.records.items() for tier, stamp in r.tiers.items()
+        )
+        for _, pod, h, tier in units:
+            if need <= 0:
+                break
+            rec = self.records[(pod, h)]
+            need -= max(len(rec.keys), 1)
+            self.evicted += len(rec.keys)
+            self._drop(pod, h, tier)
+
+    def _drop(self, pod: str, h: int, tier: str) -> int:
+        rec = self.records[(pod, h)]
+        del rec.tiers[tier]
+        if not rec.tiers:
+            del self.records[(pod, h)]
+        return len(rec.keys)
+
+    def remove(self, pod: str, hashes: Sequence[int], tier: str) -> int:
+        removed = 0
+        for h in hashes:
+            self.unknown.get(pod, {}).pop(h, None)
+            rec = self.records.get((pod, h))
+            if rec is not None and tier in rec.tiers:
+                removed += self._drop(pod, h, tier)
+        return removed
+
+    def clear_pod(self, pod: str) -> int:
+        removed = 0
+        for pod_h in [k for k in self.records if k[0] == pod]:
+            rec = self.records.pop(pod_h)
+            removed += len(rec.keys) * len(rec.tiers)
+        self.unknown.pop(pod, None)
+        return removed
+
+    def held(self) -> dict[str, dict[str, set[int]]]:
+        out: dict[str, dict[str, set[int]]] = {}
+        for (pod, _), rec in self.records.items():
+            for tier in rec.tiers:
+                out.setdefault(pod, {}).setdefault(tier, set()).update(rec.keys)
+        return out
+
+    def lookup(self, keys: Sequence[int], pods: Sequence[str]) -> dict[str, dict[str, int]]:
+        held = self.held()
+        known = {pod for (pod, _) in self.records}
+        out: dict[str, dict[str, int]] = {}
+        for pod in pods:
+            if pod not in known:
+                out[pod] = {}
+                continue
+            tiers = held.get(pod, {})
+
+            def prefix(has: set[int]) -> int:
+                n = 0
+                while n < len(keys) and keys[n] in has:
+                    n += 1
+                return n
+
+            res = {"any": prefix(set().union(*tiers.values()) if tiers else set())}
+            for tier, has in tiers.items():
+                if prefix(has):
+                    res[tier] = prefix(has)
+            out[pod] = res
+        return out
+
+    def lookup_weighted(
+        self, keys: Sequence[int], pods: Sequence[str], weights: dict[str, float], unknown: float
+    ) -> dict[str, float]:
+        held = self.held()
+        out = {}
+        for pod, res in self.lookup(keys, pods).items():
+            if res:
+                tiers = held.get(pod, {})
+                out[pod] = sum(
+                    max(weights.get(t, unknown) for t, has in tiers.items() if k in has)
+                    for k in keys[: res["any"]]
+                )
+        return out
+
+    def pod_counts(self, pod: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (p, _), rec in self.records.items():
+            if p == pod:
+                for tier in rec.tiers:
+                    out[tier] = out.get(tier, 0) + len(rec.keys)
+        return {t: c for t, c in out.items() if c}
+
+    def pods(self) -> list[str]:
+        return sorted({pod for (pod, _) in self.records})
+
+    def entries(self) -> int:
+        return sum(len(r.keys) * len(r.tiers) for r in self.records.values())
+
+
+# -- an engine that emits events --------------------------------------------------------------
+def engine_hash(parent: int | None, tokens: Sequence[int], root: int) -> int:
+    """Content hash as engines compute them (prefix + block), opaque to the index."""
+    data = repr((parent, tuple(tokens), root if parent is None else 0)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def events_for(
+    tokens: Sequence[int], ebs: int, per_event: int, root: int = ROOT
+) -> list[tuple[list[int], int | None, list[int]]]:
+    """(hashes, parent, tokens) of the BlockStored events an engine with block size `ebs` sends for
+    `tokens` (full blocks only, except a last partial page when ebs < BS), `per_event` blocks each."""
+    blocks = [list(tokens[i : i + ebs]) for i in range(0, len(tokens), ebs)]
+    hashes: list[int] = []
+    parent: int | None = None
+    for b in blocks:
+        parent = engine_hash(parent, b, root)
+        hashes.append(parent)
+    out = []
+    for i in range(0, len(blocks), per_event):
+        hs = hashes[i : i + per_event]
+        toks = [t for b in blocks[i : i + per_event] for t in b]
+        out.append((hs, hashes[i - 1] if i else None, toks))
+    return out
+
+
+def store_all(
+    index: BlockIndex, pod: str, tokens: Sequence[int], ebs: int, tier: str = GPU, per_event: int = 4
+) -> int:
+    stored = 0
+    for hs, parent, toks in events_for(tokens, ebs, per_event):
+        out = index.store(pod, hs, parent, toks, ebs, tier, ROOT)
+        assert not out.orphan
+        stored += out.stored
+    return stored
+
+
+TOKENS = list(range(1000, 1256))  # 256 tokens = 16 index blocks
+KEYS = block_keys(TOKENS, BS, ROOT)
+
+
+# -- table-driven cases -------------------------------------------------------------------
+@pytest.mark.parametrize("ebs", [16, 64, 32, 8, 1, 5, 24, 48, 15, 17, 256])
+@pytest.mark.parametrize("per_event", [1, 3, 16])
+def test_engine_block_sizes_give_block_keys_of_the_whole_sequence(ebs: int, per_event: int) -> None:
+    index = BlockIndex(BS)
+    stored = store_all(index, "p", TOKENS, ebs, per_event=per_event)
+    assert stored == 16
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 16, GPU: 16}}
+    assert index.pod_counts("p") == {GPU: 16}
+    assert index.stats().entries == 16
+    # removing the engine blocks one by one removes exactly the index blocks they completed
+    total = 0
+    for hs, _, _ in events_for(TOKENS, ebs, per_event):
+        total += index.remove("p", hs, GPU)
+    assert total == 16
+    assert index.stats().entries == 0 and index.pods() == []
+
+
+def test_index_keys_do_not_depend_on_engine_grouping() -> None:
+    index = BlockIndex(BS)
+    for pod, ebs in [("a", 64), ("b", 1), ("c", 5), ("d", 16)]:
+        store_all(index, pod, TOKENS[:200], ebs)  # 12 full index blocks and 8 pending tokens
+    assert index.lookup(KEYS, ["a", "b", "c", "d"]) == {p: {"any": 12, GPU: 12} for p in "abcd"}
+
+
+CASES = [
+    # (name, ops, expected lookup of KEYS for pod "p", expected counts)
+    ("store", [("store", 0, 16, GPU)], {"any": 16, GPU: 16}, {GPU: 16}),
+    ("store prefix", [("store", 0, 5, GPU)], {"any": 5, GPU: 5}, {GPU: 5}),
+    (
+        "two tiers",
+        [("store", 0, 16, GPU), ("store", 0, 8, CPU)],
+        {"any": 16, GPU: 16, CPU: 8},
+        {GPU: 16, CPU: 8},
+    ),
+    (
+        "remove one tier",
+        [("store", 0, 16, GPU), ("store", 0, 16, CPU), ("remove", 4, 5, GPU)],
+        {"any": 16, GPU: 4, CPU: 16},
+        {GPU: 15, CPU: 16},
+    ),
+    (
+        "mixed tiers",
+        [("store", 0, 4, GPU), ("store", 4, 8, CPU), ("store", 8, 12, GPU)],
+        {"any": 12, GPU: 4},
+        {GPU: 8, CPU: 4},
+    ),
+    ("hole", [("store", 0, 16, GPU), ("remove", 0, 1, GPU)], {"any": 0}, {GPU: 15}),
+    ("remove unknown tier", [("store", 0, 16, GPU), ("remove", 0, 16, CPU)], {"any": 16, GPU: 16}, {GPU: 16}),
+    (
+        "restore after remove",
+        [("store", 0, 16, GPU), ("remove", 3, 16, GPU), ("store", 0, 16, GPU)],
+        {"any": 16, GPU: 16},
+        {GPU: 16},
+    ),
+    ("clear", [("store", 0, 16, GPU), ("clear",)], {}, {}),
+    (
+        "clear and store",
+        [("store", 0, 16, GPU), ("clear",), ("store", 0, 2, DISK)],
+        {"any": 2, DISK: 2},
+        {DISK: 2},
+    ),
+]
+
+
+@pytest.mark.parametrize(("ops", "want", "counts"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_cases(ops: list[tuple[Any, ...]], want: dict[str, int], counts: dict[str, int]) -> None:
+    index, ref = BlockIndex(BS), ReferenceIndex()
+    evs = events_for(TOKENS, BS, 1)  # one event per block
+    for op in ops:
+        for target in (index, ref):
+            if op[0] == "store":
+                _, lo, hi, tier = op
+                for hs, parent, toks in evs[lo:hi]:
+                    target.store("p", hs, parent, toks, BS, tier, ROOT)
+            elif op[0] == "remove":
+                _, lo, hi, tier = op
+                for hs, _, _ in evs[lo:hi]:
+                    target.remove("p", hs, tier)
+            else:
+                target.clear_pod("p")
+    assert index.lookup(KEYS, ["p", "other"]) == {"p": want, "other": {}}
+    assert ref.lookup(KEYS.tolist(), ["p", "other"]) == {"p": want, "other": {}}
+    assert index.pod_counts("p") == counts
+
+
+def test_store_returns_entries_added_or_refreshed() -> None:
+    index = BlockIndex(BS)
+    (hs, parent, toks), *_ = events_for(TOKENS, 64, 2)
+    assert index.store("p", hs, parent, toks, 64, GPU, ROOT) == StoreOutcome(8, False)
+    assert index.store("p", hs, parent, toks, 64, GPU, ROOT) == StoreOutcome(8, False)  # refresh
+    assert index.stats().entries == 8
+    assert index.store("p", hs, parent, toks, 64, CPU, ROOT) == StoreOutcome(8, False)
+    assert index.stats().entries == 16
+
+
+def test_remove_of_never_stored_hash_is_a_no_op() -> None:
+    index = BlockIndex(BS)
+    assert index.remove("nobody", [1, 2], GPU) == 0
+    store_all(index, "p", TOKENS, BS)
+    assert index.remove("p", [12345], GPU) == 0
+    assert index.remove("p", [], GPU) == 0
+    assert index.remove("p", events_for(TOKENS, BS, 1)[0][0], "unknown-tier") == 0
+    assert index.stats().entries == 16
+
+
+def test_remove_of_a_queued_block_and_store_after_remove_keep_their_order() -> None:
+    index = BlockIndex(BS)
+    evs = events_for(TOKENS, BS, 4)
+    for hs, parent, toks in evs:
+        index.store("p", hs, parent, toks, BS, GPU, ROOT)
+    assert index.remove("p", evs[3][0], GPU) == 4  # queued store, then its removal
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 12, GPU: 12}}
+    assert index.remove("p", evs[2][0], GPU) == 4
+    index.store("p", *evs[2][:1], evs[2][1], evs[2][2], BS, GPU, ROOT)  # removal queued, then re-store
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 12, GPU: 12}}
+
+
+def test_parent_removed_from_every_tier_makes_children_orphans() -> None:
+    index = BlockIndex(BS)
+    evs = events_for(TOKENS, BS, 4)
+    index.store("p", *evs[0][:2], evs[0][2], BS, GPU, ROOT)
+    index.store("p", *evs[0][:2], evs[0][2], BS, CPU, ROOT)
+    index.remove("p", evs[0][0][-1:], GPU)
+    assert not index.store("p", evs[1][0], evs[1][1], evs[1][2], BS, GPU, ROOT).orphan  # still on CPU
+    index.remove("p", evs[1][0][-1:], GPU)
+    assert index.store("p", evs[2][0], evs[2][1], evs[2][2], BS, GPU, ROOT).orphan
+
+
+def test_orphans_are_counted_and_never_indexed() -> None:
+    index = BlockIndex(BS)
+    evs = events_for(TOKENS, BS, 4)
+    # the first event is lost: everything after it is an orphan
+    out = [index.store("p", hs, parent, toks, BS, GPU, ROOT) for hs, parent, toks in evs[1:]]
+    assert out == [StoreOutcome(0, True)] * 3
+    stats = index.stats()
+    assert (stats.orphans, stats.orphan_descendants, stats.entries) == (3, 2, 0)
+    assert index.lookup(KEYS, ["p"]) == {"p": {}}
+    # replay: the chain arrives whole; now it is indexed under the right keys
+    for hs, parent, toks in evs:
+        assert not index.store("p", hs, parent, toks, BS, GPU, ROOT).orphan
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 16, GPU: 16}}
+
+
+def test_unknown_chain_is_bounded() -> None:
+    index = BlockIndex(BS, max_unknown=3)
+    evs = events_for(TOKENS, BS, 1)
+    for hs, parent, toks in evs[1:]:
+        index.store("p", hs, parent, toks, BS, GPU, ROOT)
+    stats = index.stats()
+    assert stats.orphans == 15 and stats.orphan_descendants == 14
+    assert len(index._unknown[0]) == 3
+
+
+@pytest.mark.parametrize(
+    ("hashes", "tokens", "ebs"),
+    [([1, 2], list(range(16)), 16), ([1], list(range(17)), 16), ([1], [], 16), ([1], list(range(16)), 0)],
+)
+def test_malformed_events_are_rejected(hashes: list[int], tokens: list[int], ebs: int) -> None:
+    index = BlockIndex(BS)
+    assert index.store("p", hashes, None, tokens, ebs, GPU, ROOT) == StoreOutcome(0, False)
+    assert index.stats().rejected == 1 and index.stats().entries == 0
+    assert index.store("p", [9], hashes[-1], list(range(16)), 16, GPU, ROOT).orphan
+
+
+def test_sglang_partial_pages() -> None:
+    index = BlockIndex(BS)
+    parent = None
+    for i in range(0, 40, 7):  # pages of 7 tokens, the last one partial (5)
+        page = TOKENS[i : min(i + 7, 40)]
+        h = engine_hash(parent, page, ROOT)
+        index.store("p", [h], parent, page, 7, GPU, ROOT)
+        parent = h
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 2, GPU: 2}}
+
+
+def test_clear_pod_drops_everything_of_the_pod() -> None:
+    index = BlockIndex(BS)
+    store_all(index, "a", TOKENS, 64)
+    store_all(index, "b", TOKENS, 16)
+    store_all(index, "a", TOKENS, 64, tier=CPU)
+    assert index.clear_pod("a") == 32
+    assert index.clear_pod("a") == 0
+    assert index.pods() == ["b"]
+    assert index.lookup(KEYS, ["a", "b"]) == {"a": {}, "b": {"any": 16, GPU: 16}}
+    assert index.stats().engine_blocks == 16
+    # its chain is gone: a continuation is an orphan; a fresh chain works
+    hs, parent, toks = events_for(TOKENS, 64, 1)[1]
+    assert index.store("a", hs, parent, toks, 64, GPU, ROOT).orphan
+    store_all(index, "a", TOKENS, 64)
+    assert index.lookup(KEYS, ["a"]) == {"a": {"any": 16, GPU: 16}}
+
+
+def test_many_pods_across_mask_chunks() -> None:
+    index = BlockIndex(BS)
+    pods = [f"pod-{i}" for i in range(75)]
+    for i, pod in enumerate(pods):
+        store_all(index, pod, TOKENS[: (i % 17) * BS], BS)
+    got = index.lookup(KEYS, [*pods, "ghost"])
+    assert got["ghost"] == {}
+    for i, pod in enumerate(pods):
+        n = i % 17
+        assert got[pod] == ({"any": n, GPU: n} if n else {}), pod
+    assert index.pods() == sorted(p for i, p in enumerate(pods) if i % 17)
+
+
+def test_pod_ids_are_reused_after_clear() -> None:
+    index = BlockIndex(BS)
+    for i in range(200):
+        store_all(index, f"pod-{i}", TOKENS[:32], BS)
+        assert index.lookup(KEYS, [f"pod-{i}", f"pod-{i - 1}"]) == {
+            f"pod-{i}": {"any": 2, GPU: 2},
+            f"pod-{i - 1}": {},
+        }
+        index.clear_pod(f"pod-{i}")
+    assert len(index._pod_names) == 1
+
+
+def test_lookup_weighted_takes_the_best_tier_of_each_block() -> None:
+    index = BlockIndex(BS)
+    evs = events_for(TOKENS, BS, 1)
+    for j, (hs, parent, toks) in enumerate(evs[:10]):
+        index.store("p", hs, parent, toks, BS, GPU if j < 2 else CPU, ROOT)  # 2 gpu, 8 cpu
+    for hs, parent, toks in evs[:4]:
+        index.store("p", hs, parent, toks, BS, DISK, ROOT)  # blocks 0-3 also on disk
+    index.store("q", *evs[0][:2], evs[0][2], BS, "hbm3", ROOT)  # a tier without a weight
+    weights = {GPU: 1.0, CPU: 0.8, DISK: 0.5}
+    got = index.lookup_weighted(KEYS, ["p", "q", "ghost"], weights, unknown=0.25)
+    assert got == pytest.approx({"p": 2 * 1.0 + 8 * 0.8, "q": 0.25})
+    assert index.lookup_weighted(KEYS, ["ghost"], weights) == {}
+
+
+def test_lookup_edge_cases() -> None:
+    index = BlockIndex(BS)
+    store_all(index, "p", TOKENS, BS)
+    assert index.lookup(np.zeros(0, dtype=np.uint64), ["p", "q"]) == {"p": {"any": 0}, "q": {}}
+    assert index.lookup(KEYS, []) == {}
+    other = block_keys(TOKENS, BS, root_key("other-model"))
+    assert index.lookup(other, ["p"]) == {"p": {"any": 0}}
+    assert index.lookup(KEYS[:3].tolist(), ["p"]) == {"p": {"any": 3, GPU: 3}}
+
+
+# -- memory bound ------------------------------------------------------------------------
+def test_memory_bound_evicts_least_recently_stored_first() -> None:
+    index = BlockIndex(BS, max_entries=6, evict_headroom=0)
+    a = list(range(64))
+    b = list(range(100, 164))
+    ka, kb = block_keys(a, BS, ROOT), block_keys(b, BS, ROOT)
+    store_all(index, "p", a, BS, per_event=4)
+    store_all(index, "p", b, BS, per_event=4)  # 8 > 6: a's two deepest blocks go first
+    assert index.lookup(ka, ["p"]) == {"p": {"any": 2, GPU: 2}}
+    assert index.lookup(kb, ["p"]) == {"p": {"any": 4, GPU: 4}}
+    stats = index.stats()
+    assert (stats.entries, stats.evicted) == (6, 2)
+    # re-storing a's head refreshes it: b goes next
+    ev = events_for(a, BS, 2)[0]
+    index.store("p", ev[0], ev[1], ev[2], BS, GPU, ROOT)
+    index.store("q", *events_for(list(range(300, 332)), BS, 2)[0][:2], list(range(300, 332)), BS, GPU, ROOT)
+    assert index.lookup(kb, ["p"]) == {"p": {"any": 2, GPU: 2}}
+    assert index.lookup(ka, ["p"]) == {"p": {"any": 2, GPU: 2}}
+    assert index.stats().entries == 6 and index.stats().evicted == 4
+
+
+def test_memory_bound_with_headroom_evicts_in_batches() -> None:
+    index = BlockIndex(BS, max_entries=10, evict_headroom=4)
+    store_all(index, "p", list(range(11 * BS)), BS, per_event=1)
+    stats = index.stats()
+    assert stats.entries == 6 and stats.evicted == 5
+    assert index.lookup(block_keys(list(range(11 * BS)), BS, ROOT), ["p"]) == {"p": {"any": 0}}
+
+
+def test_stamps_stay_ordered_when_rebased() -> None:
+    index = BlockIndex(BS, max_entries=8, evict_headroom=0)
+    index._h.stamp = 0xFFFFFFFF - 20
+    a, b = list(range(64)), list(range(100, 164))
+    for _ in range(3):
+        store_all(index, "p", a, BS, per_event=4)
+        store_all(index, "p", b, BS, per_event=4)
+    assert index._h.stamp < 1 << 32
+    store_all(index, "p", list(range(500, 532)), BS, per_event=1)  # evicts the 2 oldest: a's
+    assert index.lookup(block_keys(a, BS, ROOT), ["p"]) == {"p": {"any": 2, GPU: 2}}
+    assert index.lookup(block_keys(b, BS, ROOT), ["p"]) == {"p": {"any": 4, GPU: 4}}
+
+
+def test_batches_flush_by_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index_module, "_FLUSH_BLOCKS", 5)
+    index = BlockIndex(BS)
+    store_all(index, "p", TOKENS, BS, per_event=2)
+    assert index._q_blocks < 5
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 16, GPU: 16}}
+
+
+def test_growth_to_many_entries() -> None:
+    index = BlockIndex(BS)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50_000, size=20_000 * BS)
+    for p in range(3):
+        store_all(index, f"p{p}", tokens.tolist(), BS, per_event=64)
+    keys = block_keys(tokens, BS, ROOT)
+    assert index.lookup(keys, ["p0", "p1", "p2"]) == {f"p{p}": {"any": 20_000, GPU: 20_000} for p in range(3)}
+    assert index.stats().entries == 60_000
+
+
+# -- the state machine ------------------------------------------------------------------
+PODS = ["a", "b", "c", "d"]
+POD_EBS = {"a": 16, "b": 32, "c": 1, "d": 5}
+TIERS = [GPU, CPU, DISK]
+ROOTS = [ROOT, root_key("model", "tenant")]
+
+
+class IndexMachine(RuleBasedStateMachine):
+    max_entries = 10**9
+    headroom = 0
+
+    @initialize()
+    def setup(self) -> None:
+        self.index = BlockIndex(BS, max_entries=self.max_entries, evict_headroom=self.headroom, max_unknown=8)
+        self.ref = ReferenceIndex(BS, self.max_entries, self.headroom, max_unknown=8)
+        # every hash an engine sent, with the tokens from the root to its end and its root
+        self.seqs: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+
+    def _both(self, method: str, *args: object) -> object:
+        got = getattr(self.index, method)(*args)
+        want = getattr(self.ref, method)(*args)
+        assert got == want, (method, args, got, want)
+        return got
+
+    @rule(
+        pod=st.sampled_from(PODS),
+        tier=st.sampled_from(TIERS),
+        data=st.data(),
+        nblocks=st.integers(1, 4),
+        vocab=st.integers(2, 6),
+    )
+    def store(self, pod: str, tier: str, data: st.DataObject, nblocks: int, vocab: int) -> None:
+        ebs = POD_EBS[pod]
+        known = [h for (p, h) in self.seqs if p == pod]
+        how = data.draw(st.sampled_from(["root", "known", "known", "unknown"]))
+        parent: int | None
+        if how == "known" and known:
+            parent = data.draw(st.sampled_from(sorted(known)))
+            prefix, root = self.seqs[(pod, parent)]
+        elif how == "unknown":
+            parent, prefix, root = data.draw(st.integers(0, 2**64 - 1)), (), ROOTS[0]
+        else:
+            parent, prefix, root = None, (), data.draw(st.sampled_from(ROOTS))
+        ntok = nblocks * ebs
+        if ebs < BS and nblocks == 1 and data.draw(st.booleans()):
+            ntok = data.draw(st.integers(1, ebs))  # a partial page
+        tokens = data.draw(st.lists(st.integers(0, vocab), min_size=ntok, max_size=ntok))
+        hashes, p = [], parent
+        for i in range(0, ntok, ebs):
+            p = engine_hash(p, tokens[i : i + ebs], root)
+            hashes.append(p)
+        if len(set(hashes)) < len(hashes):
+            return
+        out = self._both("store", pod, hashes, parent, tokens, ebs, tier, root)
+        assert isinstance(out, StoreOutcome)
+        if not out.orphan:
+            seq = prefix
+            for i, h in enumerate(hashes):
+                seq = prefix + tuple(tokens[: (i + 1) * ebs])
+                self.seqs[(pod, h)] = (seq, root)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tier=st.sampled_from(TIERS))
+    def remove(self, data: st.DataObject, tier: str) -> None:
+        pod, h = data.draw(st.sampled_from(sorted(self.seqs)))
+        self._both("remove", pod, [h], tier)
+
+    @rule(pod=st.sampled_from(PODS), h=st.integers(0, 2**64 - 1), tier=st.sampled_from(TIERS))
+    def remove_unknown(self, pod: str, h: int, tier: str) -> None:
+        self._both("remove", pod, [h], tier)
+
+    @rule(pod=st.sampled_from(PODS))
+    def clear_pod(self, pod: str) -> None:
+        self._both("clear_pod", pod)
+
+    @rule()
+    def flush(self) -> None:
+        self.index.flush()
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 6), max_size=40))
+    def lookup(self, data: st.DataObject, extra: list[int]) -> None:
+        seq, root = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        keys = block_keys([*seq, *extra], BS, root)
+        pods = [*PODS, "ghost"]
+        assert self.index.lookup(keys, pods) == self.ref.lookup(keys.tolist(), pods)
+        weights = data.draw(st.dictionaries(st.sampled_from(TIERS), st.sampled_from([0.0, 0.5, 0.8, 1.0])))
+        unknown = data.draw(st.sampled_from([0.0, 0.25]))
+        got = self.index.lookup_weighted(keys, pods, weights, unknown)
+        want = self.ref.lookup_weighted(keys.tolist(), pods, weights, unknown)
+        assert got.keys() == want.keys()
+        assert all(abs(got[p] - want[p]) < 1e-9 for p in got), (got, want)
+
+    @rule()
+    def compare(self) -> None:
+        stats = self.index.stats()
+        assert stats.entries == self.ref.entries()
+        assert stats.entries <= self.max_entries
+        assert (stats.evicted, stats.orphans, stats.orphan_descendants, stats.rejected) == (
+            self.ref.evicted,
+            self.ref.orphans,
+            self.ref.descendants,
+            self.ref.rejected,
+        )
+        assert stats.engine_blocks == len(self.ref.records)
+        assert self.index.pods() == self.ref.pods()
+        for pod in PODS:
+            assert self.index.pod_counts(pod) == self.ref.pod_counts(pod)
+
+    @invariant()
+    def bounded(self) -> None:
+        assert self.index._h.used <= self.max_entries  # queued stores count once applied
+
+
+class EvictingMachine(IndexMachine):
+    max_entries = 12
+    headroom = 0
+
+
+class EvictingWithHeadroomMachine(IndexMachine):
+    max_entries = 20
+    headroom = 5
+
+
+_SETTINGS = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = _SETTINGS
+TestEvictingMachine = EvictingMachine.TestCase
+TestEvictingMachine.settings = _SETTINGS
+TestEvictingWithHeadroomMachine = EvictingWithHeadroomMachine.TestCase
+TestEvictingWithHeadroomMachine.settings = _SETTINGS
+
+
+# -- the hash table ----------------------------------------------------------------------
+@pytest.mark.parametrize("n", [10, 3000, 40_000])
+def test_hash_table_against_a_dict(n: int) -> None:
+    rng = np.random.default_rng(n)
+    table = HashTable(np.uint16, {"v": (np.uint64, 7)}, buckets=2)
+    ref: dict[tuple[int, int], int] = {}
+    keys = rng.integers(0, 2**64 - 1, size=n, dtype=np.uint64)
+    keys[: n // 3] = keys[n // 3 : 2 * (n // 3)]  # equal keys under different tags
+    tags = rng.integers(0, 5, size=n).astype(np.uint16)
+    for lo in range(0, n, 997):
+        k, t = keys[lo : lo + 997], tags[lo : lo + 997]
+        vals = rng.integers(0, 1000, size=len(k)).astype(np.uint64)
+        slots, new = table.upsert(k, t, {"v": vals})
+        for i, (kk, tt) in enumerate(zip(k.tolist(), t.tolist(), strict=True)):
+            if (kk, tt) not in ref:
+                assert new[i]
+                ref[(kk, tt)] = int(vals[i])
+            assert table.cols["v"][slots[i]] == ref[(kk, tt)]
+        assert table.size == len(ref)
+        gone = [x for j, x in enumerate(sorted(ref)) if j % 3 == 0]
+        found = table.find(
+            np.array([g[0] for g in gone], dtype=np.uint64), np.array([g[1] for g in gone], dtype=np.uint16)
+        )
+        assert (found >= 0).all()
+        table.delete(np.concatenate([found, found[:5]]))  # duplicates allowed
+        for g in gone:
+            del ref[g]
+        assert table.size == len(ref)
+    ks = np.array([k for k, _ in ref], dtype=np.uint64)
+    ts = np.array([t for _, t in ref], dtype=np.uint16)
+    found = table.find(ks, ts)
+    assert (found >= 0).all() and len(set(found.tolist())) == len(ref)
+    assert table.cols["v"][found].tolist() == [
+        ref[(k, t)] for k, t in zip(ks.tolist(), ts.tolist(), strict=True)
+    ]
+    assert all(
+        table.find_one(k, t) == s
+        for k, t, s in zip(ks[:50].tolist(), ts[:50].tolist(), found[:50].tolist(), strict=True)
+    )
+    assert table.find(np.array([1, 2], dtype=np.uint64), np.array([9, 9], dtype=np.uint16)).tolist() == [
+        -1,
+        -1,
+    ]
+    assert table.find_one(1, 9) == -1
+    occ = table.occupied()
+    assert len(occ) == table.size
+
+
+def test_hash_table_at_high_load_uses_cuckoo_moves() -> None:
+    table = HashTable(np.uint16, {}, buckets=64, max_load=0.97)
+    keys = np.arange(1, 64 * 8 * 97 // 100, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    tags = np.zeros(len(keys), dtype=np.uint16)
+    for i in range(0, len(keys), 50):
+        table.upsert(keys[i : i + 50], tags[i : i + 50], {})
+    assert table.size == len(keys)
+    assert (table.find(keys, tags) >= 0).all()
