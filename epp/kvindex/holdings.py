@@ -65,6 +65,7 @@ class Holdings:
         self.records = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 0)})
         self.extra = HashTable(np.uint32, {"key": (np.uint64, 0)})
         self.blocks = HashTable(np.uint16, {"mask": (np.uint32, 0)})
+        self.multi = HashTable(np.uint32, {"n": (np.uint32, 0)})
         self.ntiers = 0
         self.counts = np.zeros((16, MAX_TIERS), dtype=np.int64)  # entries per (pod, tier)
         self.units = np.zeros(16, dtype=np.int64)  # units per pod
@@ -94,7 +95,7 @@ class Holdings:
             self.counts = np.concatenate([self.counts, extra_rows])
 
     def nbytes(self) -> int:
-        return self.records.nbytes() + self.extra.nbytes() + self.blocks.nbytes()
+        return self.records.nbytes() + self.extra.nbytes() + self.blocks.nbytes() + self.multi.nbytes()
 
     # -- scalar reads (store / remove bookkeeping) -------------------------------------
     def find_record(self, pid: int, ehash: int) -> int:
@@ -228,52 +229,80 @@ class Holdings:
         return np.concatenate([who, u[ok]]), np.concatenate([keys, self.extra.cols["key"][found[ok]]])
 
     def _link(self, slots: Index, tiers: Index) -> None:
-        """Units that became live: set their pods' bits on their keys, count them."""
+        """Units that became live: they own their records' keys on their tier."""
         self._account(slots, tiers, +1)
         who, keys = self.owned(slots)
         if len(keys):
-            pods = self.records.tags[slots].astype(np.intp)
-            tags = ((pods >> CHUNK_BITS) | (tiers << 11))[who]
-            bits = (1 << (pods & 31))[who].astype(np.uint32)
-            self._blocks_update(keys, tags.astype(np.uint16), bits, set_bits=True)
+            self._own(keys, self.records.tags[slots][who].astype(np.intp), tiers[who], +1)
 
     def _account(self, slots: Index, tiers: Index, sign: int) -> None:
         pods = self.records.tags[slots].astype(np.intp)
         nk = ((self.records.cols["info"][slots] >> 8) & MAX_KEYS_PER_RECORD).astype(np.int64)
-        size = len(self.units)
-        per = np.bincount(pods * MAX_TIERS + tiers, weights=nk, minlength=size * MAX_TIERS)
-        self.counts += sign * per.astype(np.int64).reshape(size, MAX_TIERS)
-        self.units += sign * np.bincount(pods, minlength=size)
-        self.entries += sign * int(nk.sum())
+        self.units += sign * np.bincount(pods, minlength=len(self.units))
         self.used += sign * int(np.maximum(nk, 1).sum())
 
-    def _blocks_update(
-        self, keys: U64, tags: npt.NDArray[np.uint16], bits: npt.NDArray[np.uint32], *, set_bits: bool
-    ) -> None:
-        if set_bits:
-            slots, _ = self.blocks.upsert(keys, tags, {})
-            np.bitwise_or.at(self.blocks.cols["mask"], slots, bits)
+    def _own(self, keys: U64, pods: Index, tiers: Index, sign: int) -> int:
+        """Add (+1) or drop (-1) one owner of (key, pod, tier) per item. An entry exists while it has an
+        owner: its pod's bit in the `blocks` row; owners beyond the first are counted in `multi`.
+        Returns the entries created or removed."""
+        tags = ((pods >> CHUNK_BITS) | (tiers << 11)).astype(np.uint16)
+        if sign > 0:
+            rows, _ = self.blocks.upsert(keys, tags, {})
         else:
-            mask = self.blocks.cols["mask"]
-            slots = self.blocks.find(keys, tags)
-            ok = slots >= 0  # always, unless the tables disagree
-            s = slots[ok]
-            np.bitwise_and.at(mask, s, ~bits[ok])
-            self.blocks.delete(s[mask[s] == 0])
+            rows = self.blocks.find(keys, tags)
+            ok = rows >= 0  # always, unless the tables disagree
+            keys, pods, tiers, rows = keys[ok], pods[ok], tiers[ok], rows[ok]
+        ids = rows * 32 + (pods & 31)  # one per (key, pod, tier)
+        order = np.argsort(ids, kind="stable")
+        starts = np.flatnonzero(np.r_[True, ids[order][1:] != ids[order][:-1]])
+        owners = np.diff(np.r_[starts, len(ids)])  # how many items name each entry
+        first = order[starts]
+        keys, pods, tiers, rows = keys[first], pods[first], tiers[first], rows[first]
+        bits = np.left_shift(np.uint32(1), (pods & 31).astype(np.uint32))
+        mask = self.blocks.cols["mask"]
+        had = (mask[rows] & bits) != 0
+        multi_tags = (pods | (tiers << 16)).astype(np.uint32)
+        if sign > 0:
+            extra = owners - 1 + had
+            new = ~had
+            np.bitwise_or.at(mask, rows[new], bits[new])
+            more = np.flatnonzero(extra)
+            if more.size:
+                at, _ = self.multi.upsert(keys[more], multi_tags[more], {})
+                self.multi.cols["n"][at] += extra[more].astype(np.uint32)
+            changed = new
+        else:
+            extra = np.zeros(len(rows), dtype=np.int64)
+            at = np.full(len(rows), -1, dtype=np.intp)
+            if self.multi.size:
+                at = self.multi.find(keys, multi_tags)
+                extra[at >= 0] = self.multi.cols["n"][at[at >= 0]]
+            left = 1 + extra - owners  # owners still there
+            changed = left <= 0
+            np.bitwise_and.at(mask, rows[changed], ~bits[changed])
+            has = np.flatnonzero(at >= 0)
+            if has.size:
+                self.multi.cols["n"][at[has]] = np.maximum(left[has] - 1, 0).astype(np.uint32)
+                self.multi.delete(at[has][left[has] <= 1])
+            emptied = rows[changed]
+            self.blocks.delete(emptied[mask[emptied] == 0])
+        n = np.bincount(pods[changed] * MAX_TIERS + tiers[changed], minlength=len(self.units) * MAX_TIERS)
+        self.counts += sign * n.reshape(len(self.units), MAX_TIERS)
+        created = int(changed.sum())
+        self.entries += sign * created
+        return created
 
     # -- remove ------------------------------------------------------------------------
     def remove_units(self, slots: Index, tiers: Index) -> int:
-        """Remove live units (distinct (record slot, tier) pairs); returns the entries removed."""
+        """Remove live units (distinct (record slot, tier) pairs); returns the entries removed (an entry
+        that another unit of the pod still owns stays)."""
         if slots.size == 0:
             return 0
-        before = self.entries
         self._account(slots, tiers, -1)
         who, keys = self.owned(slots)
+        removed = 0
         if len(keys):
-            pods = self.records.tags[slots].astype(np.intp)
-            tags = ((pods >> CHUNK_BITS) | (tiers << 11))[who]
-            bits = (1 << (pods & 31))[who].astype(np.uint32)
-            self._blocks_update(keys, tags.astype(np.uint16), bits, set_bits=False)
+            removed = self._own(keys, self.records.tags[slots][who].astype(np.intp), tiers[who], -1)
         for t in np.flatnonzero(np.bincount(tiers, minlength=self.ntiers)).tolist():
             self.records.cols[f"s{t}"][slots[tiers == t]] = STAMP_NONE
         info_col = self.records.cols["info"]
@@ -290,7 +319,7 @@ class Holdings:
                 found = self.extra.find(self.records.keys[u], tags32)
                 self.extra.delete(found[found >= 0])
             self.records.delete(gone)
-        return before - self.entries
+        return removed
 
     def units_of_pod(self, pid: int) -> tuple[Index, Index]:
         slots = np.flatnonzero(self.records.tags == pid)

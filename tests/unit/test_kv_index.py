@@ -109,16 +109,16 @@ class ReferenceIndex:
         return sum(max(len(r.keys), 1) * len(r.tiers) for r in self.records.values())
 
     def evict(self, need: int) -> None:
+        before = self.entries()
         units = sorted(
             (stamp, pod, h, tier) for (pod, h), r in self.records.items() for tier, stamp in r.tiers.items()
         )
         for _, pod, h, tier in units:
             if need <= 0:
                 break
-            rec = self.records[(pod, h)]
-            need -= max(len(rec.keys), 1)
-            self.evicted += len(rec.keys)
+            need -= max(len(self.records[(pod, h)].keys), 1)
             self._drop(pod, h, tier)
+        self.evicted += before - self.entries()
 
     def _drop(self, pod: str, h: int, tier: str) -> int:
         rec = self.records[(pod, h)]
@@ -128,6 +128,7 @@ class ReferenceIndex:
         return len(rec.keys)
 
     def remove(self, pod: str, hashes: Sequence[int], tier: str) -> int:
+        """Returns the keys the removed engine blocks owned on the tier (released ownerships)."""
         removed = 0
         for h in hashes:
             self.unknown.get(pod, {}).pop(h, None)
@@ -137,10 +138,9 @@ class ReferenceIndex:
         return removed
 
     def clear_pod(self, pod: str) -> int:
-        removed = 0
+        removed = sum(self.pod_counts(pod).values())
         for pod_h in [k for k in self.records if k[0] == pod]:
-            rec = self.records.pop(pod_h)
-            removed += len(rec.keys) * len(rec.tiers)
+            del self.records[pod_h]
         self.unknown.pop(pod, None)
         return removed
 
@@ -189,18 +189,13 @@ class ReferenceIndex:
         return out
 
     def pod_counts(self, pod: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for (p, _), rec in self.records.items():
-            if p == pod:
-                for tier in rec.tiers:
-                    out[tier] = out.get(tier, 0) + len(rec.keys)
-        return {t: c for t, c in out.items() if c}
+        return {tier: len(keys) for tier, keys in self.held().get(pod, {}).items() if keys}
 
     def pods(self) -> list[str]:
         return sorted({pod for (pod, _) in self.records})
 
     def entries(self) -> int:
-        return sum(len(r.keys) * len(r.tiers) for r in self.records.values())
+        return sum(len(keys) for tiers in self.held().values() for keys in tiers.values())
 
 
 # -- an engine that emits events --------------------------------------------------------------
@@ -407,6 +402,22 @@ def test_malformed_events_are_rejected(hashes: list[int], tokens: list[int], ebs
     assert index.store("p", hashes, None, tokens, ebs, GPU, ROOT) == StoreOutcome(0, False)
     assert index.stats().rejected == 1 and index.stats().entries == 0
     assert index.store("p", [9], hashes[-1], list(range(16)), 16, GPU, ROOT).orphan
+
+
+def test_an_index_block_completed_by_two_engine_blocks_stays_until_both_go() -> None:
+    # Engine blocks of 64 tokens: two prompts sharing their first 40 tokens have different first engine
+    # blocks, which complete the same first two index blocks.
+    index = BlockIndex(BS)
+    a = TOKENS[:64]
+    b = [*TOKENS[:40], *range(5000, 5024)]
+    (ha, _, _), (hb, _, _) = events_for(a, 64, 1)[0], events_for(b, 64, 1)[0]
+    assert index.store("p", ha, None, a, 64, GPU, ROOT).stored == 4
+    assert index.store("p", hb, None, b, 64, GPU, ROOT).stored == 4
+    assert index.stats().entries == 6 and index.pod_counts("p") == {GPU: 6}
+    assert index.remove("p", ha, GPU) == 4  # its keys, released; two are still held through b
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 2, GPU: 2}}
+    assert index.stats().entries == 4
+    assert index.clear_pod("p") == 4
 
 
 def test_sglang_partial_pages() -> None:

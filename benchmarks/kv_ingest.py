@@ -1,0 +1,141 @@
+"""KV-event ingestion: vLLM-encoded batches over a real ZeroMQ socket on loopback into the running
+subscriber + index, against decode alone (the ceiling), in one run.
+
+A publisher process sends `--batches` batches (each 8 BlockStored of 16 blocks x 16 tokens, chained,
+plus 4 BlockRemoved; see benchmarks/kv_decode.py) as fast as it can; this process runs the
+production subscriber (per-pod SUB socket) feeding KvIngest and the BlockIndex. Prints block events
+per second per core (events / CPU seconds of this process, ZeroMQ's I/O thread included) and per
+wall second, and the ratio to decode-only on the same payloads. Map and array forms.
+
+  python benchmarks/kv_ingest.py [--batches 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_decode import BLOCK_EVENTS_PER_BATCH, make_batches, measure  # noqa: E402
+
+from epp.clock import MonotonicClock  # noqa: E402
+from epp.config import KvEventsConfig  # noqa: E402
+from epp.datastore import Datastore  # noqa: E402
+from epp.kvindex.freshness import FreshnessTracker  # noqa: E402
+from epp.kvindex.index import BlockIndex  # noqa: E402
+from epp.kvindex.ingest import KvIngest  # noqa: E402
+from epp.sources.kv_events import KvEventSubscriber  # noqa: E402
+from epp.testing.envoy import free_port  # noqa: E402
+
+
+def publisher(endpoint: str, form: str, batches: int, go_file: str) -> None:
+    payloads = make_batches(batches, form, seed=1)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.bind(endpoint)
+    seq = 0
+    empty = msgspec.msgpack.encode([0.0, []])
+    while not os.path.exists(go_file):  # probes until the subscriber is listening (slow joiner)
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), empty])
+        seq += 1
+        time.sleep(0.01)
+    for p in payloads:
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), p])
+        seq += 1
+    time.sleep(2.0)
+    pub.close(linger=0)
+    ctx.term()
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def ingest_run(form: str, batches: int, host: str) -> tuple[float, float, int]:
+    port = free_port()
+    pod = f"{host}:8000"
+    clock = MonotonicClock()
+    ds = Datastore(clock)
+    ds.add_endpoint(pod, "m")
+    index = BlockIndex(block_size=16, max_entries=10_000_000)
+    ingest = KvIngest(index, FreshnessTracker(), lambda p: "m")
+    sub = KvEventSubscriber(ds, ingest, clock, KvEventsConfig(mode="per-pod", port=port, rcvhwm=1_000_000))
+    go = Path(tempfile.mkdtemp()) / "go"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--publisher",
+            f"tcp://{host}:{port}",
+            "--form",
+            form,
+            "--batches",
+            str(batches),
+            "--go-file",
+            str(go),
+        ]
+    )
+    await sub.start()
+    try:
+        deadline = time.monotonic() + 30
+        while pod not in ingest.last_seq:
+            if time.monotonic() > deadline:
+                raise RuntimeError("publisher never reached the subscriber")
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        start_msgs = ingest.counters[pod].messages
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        go.touch()
+        deadline = time.monotonic() + 120
+        while ingest.counters[pod].messages - start_msgs < batches:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {ingest.counters[pod].messages - start_msgs} of {batches} arrived")
+            await asyncio.sleep(0.005)
+        index.flush()
+        cpu, wall = cpu_seconds() - c0, time.perf_counter() - t0
+        drops = sum(ingest.counters[pod].drops.values()) + ingest.counters[pod].gaps
+    finally:
+        await sub.stop()
+        proc.wait(timeout=30)
+    events = batches * BLOCK_EVENTS_PER_BATCH
+    return events / cpu, events / wall, drops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, default=4000)
+    ap.add_argument("--publisher")
+    ap.add_argument("--form", default="map")
+    ap.add_argument("--go-file")
+    args = ap.parse_args()
+    if args.publisher:
+        publisher(args.publisher, args.form, args.batches, args.go_file)
+        return
+    print(
+        f"KV-event ingestion over ZeroMQ (loopback), {args.batches} batches of {BLOCK_EVENTS_PER_BATCH} "
+        f"block events, {os.cpu_count()} cores"
+    )
+    for i, form in enumerate(("map", "array")):
+        decode = measure(make_batches(args.batches, form, seed=1), repeats=3)
+        per_core, per_wall, lost = asyncio.run(ingest_run(form, args.batches, f"127.0.0.{2 + i}"))
+        print(
+            f"{form:5s}: ingest {per_core:12,.0f} block events/s per core ({per_wall:12,.0f} per wall s), "
+            f"decode only {decode:12,.0f}/s, ratio {per_core / decode:5.1%}, lost messages {lost}"
+        )
+    print("targets: >= 1,000,000 block events/s per core and >= 50% of decode-only")
+
+
+if __name__ == "__main__":
+    main()
