@@ -26,16 +26,16 @@ import msgspec
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_decode import BLOCK_EVENTS_PER_BATCH, make_batches, measure  # noqa: E402
+from kv_decode import BLOCK_EVENTS_PER_BATCH, make_batches, measure
 
-from epp.clock import MonotonicClock  # noqa: E402
-from epp.config import KvEventsConfig  # noqa: E402
-from epp.datastore import Datastore  # noqa: E402
-from epp.kvindex.freshness import FreshnessTracker  # noqa: E402
-from epp.kvindex.index import BlockIndex  # noqa: E402
-from epp.kvindex.ingest import KvIngest  # noqa: E402
-from epp.sources.kv_events import KvEventSubscriber  # noqa: E402
-from epp.testing.envoy import free_port  # noqa: E402
+from epp.clock import MonotonicClock
+from epp.config import KvEventsConfig
+from epp.datastore import Datastore
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.ingest import KvIngest
+from epp.sources.kv_events import KvEventSubscriber
+from epp.testing.envoy import free_port
 
 
 def publisher(endpoint: str, form: str, batches: int, go_file: str) -> None:

@@ -1,6 +1,6 @@
 """The numpy state of the block index: engine blocks, their keys, and who holds which key where. Pure.
 
-Three tables (`table.HashTable`), all batched:
+Four tables (`table.HashTable`), all batched:
 
 - `records`: (engine hash, pod) -> one engine block of one pod: the chain `state` after its last token,
   and `info` = tokens past the last index boundary (bits 0-7) | index keys it completes (bits 8-19) |
@@ -10,8 +10,12 @@ Three tables (`table.HashTable`), all batched:
 - `extra`: (engine hash, pod | j << 16) -> key: the keys a record completes that are not implied by its
   state. A record whose last token ends an index block owns fmix(state) implicitly, so an engine block
   the size of the index block needs no extra row; an engine block of 64 tokens needs 3.
-- `blocks`: (key, pod chunk | tier << 11) -> uint32 bit mask of the pods of a 32-pod chunk that hold the
-  key on the tier. A lookup reads one row per (key, chunk, tier) instead of one per (key, pod).
+- `blocks`: (key, pod chunk) -> per tier (`m0`, `m1`, ...) a uint32 bit mask of the pods of the 32-pod
+  chunk that hold the key on the tier. A lookup reads one row per (key, chunk) instead of one per
+  (key, pod, tier).
+- `multi`: (key, pod | tier << 16) -> owners beyond the first, for the few entries that several units
+  of a pod own (engine blocks larger than index blocks whose contents diverge after a shared start).
+  A pod's bit stays set while any owner is left.
 
 The caller guarantees batch semantics (see `index.py`): units given to `remove_units` are live, and a
 batch given to `add` does not involve a record that has a removal pending.
@@ -64,7 +68,7 @@ class Holdings:
         self.bs = block_size
         self.records = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 0)})
         self.extra = HashTable(np.uint32, {"key": (np.uint64, 0)})
-        self.blocks = HashTable(np.uint16, {"mask": (np.uint32, 0)})
+        self.blocks = HashTable(np.uint16, {})  # + a mask column per tier
         self.multi = HashTable(np.uint32, {"n": (np.uint32, 0)})
         self.ntiers = 0
         self.counts = np.zeros((16, MAX_TIERS), dtype=np.int64)  # entries per (pod, tier)
@@ -84,6 +88,7 @@ class Holdings:
     def add_tier(self) -> int:
         t = self.ntiers
         self.records.add_column(f"s{t}", np.uint32, STAMP_NONE)
+        self.blocks.add_column(f"m{t}", np.uint32, 0)
         self.ntiers += 1
         return t
 
@@ -243,34 +248,37 @@ class Holdings:
 
     def _own(self, keys: U64, pods: Index, tiers: Index, sign: int) -> int:
         """Add (+1) or drop (-1) one owner of (key, pod, tier) per item. An entry exists while it has an
-        owner: its pod's bit in the `blocks` row; owners beyond the first are counted in `multi`.
-        Returns the entries created or removed."""
-        tags = ((pods >> CHUNK_BITS) | (tiers << 11)).astype(np.uint16)
+        owner: its pod's bit in the tier's mask of the `blocks` row; owners beyond the first are counted
+        in `multi`. Returns the entries created or removed."""
+        tags = (pods >> CHUNK_BITS).astype(np.uint16)
         if sign > 0:
             rows, _ = self.blocks.upsert(keys, tags, {})
         else:
             rows = self.blocks.find(keys, tags)
             ok = rows >= 0  # always, unless the tables disagree
             keys, pods, tiers, rows = keys[ok], pods[ok], tiers[ok], rows[ok]
-        ids = rows * 32 + (pods & 31)  # one per (key, pod, tier)
+        ids = (rows * MAX_TIERS + tiers) * 32 + (pods & 31)  # one per (key, pod, tier)
         order = np.argsort(ids, kind="stable")
         starts = np.flatnonzero(np.r_[True, ids[order][1:] != ids[order][:-1]])
         owners = np.diff(np.r_[starts, len(ids)])  # how many items name each entry
         first = order[starts]
         keys, pods, tiers, rows = keys[first], pods[first], tiers[first], rows[first]
         bits = np.left_shift(np.uint32(1), (pods & 31).astype(np.uint32))
-        mask = self.blocks.cols["mask"]
-        had = (mask[rows] & bits) != 0
+        present = np.flatnonzero(np.bincount(tiers, minlength=self.ntiers)).tolist()
+        by_tier = [(self.blocks.cols[f"m{t}"], tiers == t) for t in present]
+        had = np.zeros(len(rows), dtype=bool)
+        for mask, sel in by_tier:
+            had[sel] = (mask[rows[sel]] & bits[sel]) != 0
         multi_tags = (pods | (tiers << 16)).astype(np.uint32)
         if sign > 0:
             extra = owners - 1 + had
-            new = ~had
-            np.bitwise_or.at(mask, rows[new], bits[new])
+            changed = ~had
+            for mask, sel in by_tier:
+                np.bitwise_or.at(mask, rows[sel & changed], bits[sel & changed])
             more = np.flatnonzero(extra)
             if more.size:
                 at, _ = self.multi.upsert(keys[more], multi_tags[more], {})
                 self.multi.cols["n"][at] += extra[more].astype(np.uint32)
-            changed = new
         else:
             extra = np.zeros(len(rows), dtype=np.int64)
             at = np.full(len(rows), -1, dtype=np.intp)
@@ -279,13 +287,17 @@ class Holdings:
                 extra[at >= 0] = self.multi.cols["n"][at[at >= 0]]
             left = 1 + extra - owners  # owners still there
             changed = left <= 0
-            np.bitwise_and.at(mask, rows[changed], ~bits[changed])
+            for mask, sel in by_tier:
+                np.bitwise_and.at(mask, rows[sel & changed], ~bits[sel & changed])
             has = np.flatnonzero(at >= 0)
             if has.size:
                 self.multi.cols["n"][at[has]] = np.maximum(left[has] - 1, 0).astype(np.uint32)
                 self.multi.delete(at[has][left[has] <= 1])
             emptied = rows[changed]
-            self.blocks.delete(emptied[mask[emptied] == 0])
+            held = np.zeros(len(emptied), dtype=np.uint32)
+            for t in range(self.ntiers):
+                held |= self.blocks.cols[f"m{t}"][emptied]
+            self.blocks.delete(emptied[held == 0])
         n = np.bincount(pods[changed] * MAX_TIERS + tiers[changed], minlength=len(self.units) * MAX_TIERS)
         self.counts += sign * n.reshape(len(self.units), MAX_TIERS)
         created = int(changed.sum())
@@ -384,11 +396,13 @@ class Holdings:
         self.stamp -= base
 
     # -- lookup ------------------------------------------------------------------------
-    def masks(self, keys: U64, tags: list[int]) -> npt.NDArray[np.uint32]:
-        """(len(tags), len(keys)) masks of the `blocks` rows, 0 where absent."""
+    def masks(self, keys: U64, chunks: list[int], tiers: list[int]) -> npt.NDArray[np.uint32]:
+        """(tier, chunk, key) masks of the pods holding each key, 0 where absent: one probe per (key,
+        chunk) whatever the number of tiers."""
         n = len(keys)
-        slots = self.blocks.find(np.tile(keys, len(tags)), np.repeat(np.array(tags, dtype=np.uint16), n))
-        out = np.zeros(len(slots), dtype=np.uint32)
-        hit = slots >= 0
-        out[hit] = self.blocks.cols["mask"][slots[hit]]
-        return out.reshape(len(tags), n)
+        slots = self.blocks.find(np.tile(keys, len(chunks)), np.repeat(np.array(chunks, dtype=np.uint16), n))
+        hit = np.flatnonzero(slots >= 0)
+        out = np.zeros((len(tiers), len(chunks) * n), dtype=np.uint32)
+        for i, t in enumerate(tiers):
+            out[i, hit] = self.blocks.cols[f"m{t}"][slots[hit]]
+        return out.reshape(len(tiers), len(chunks), n)

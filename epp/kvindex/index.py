@@ -12,10 +12,14 @@ after its last token and how many tokens it left past the last index boundary, s
 pages; the keys equal `block_keys` over the whole token sequence. An engine block owns the index keys
 it completes (for removals); one that completes none (a short page) still carries the chain.
 
-Entries. An entry is (key, pod, tier). A BlockStored on tier T makes the units (engine block, T) live;
-a BlockRemoved on T removes that tier only; a removal of a hash the pod never stored is a no-op. An
-engine hash is taken to name its content: storing a known (pod, engine hash) again refreshes it
-(adds the tier, renews its recency) and keeps the keys first computed for it.
+Entries. An entry is (key, pod, tier): the pod holds that index block on that tier. A BlockStored on
+tier T makes the *units* (engine block, T) live, and each unit owns the index keys its engine block
+completes; an entry exists while at least one unit of the pod owns it (two engine blocks of 64 tokens
+that share their first 40 tokens complete the same first two index blocks). A BlockRemoved on T removes
+that tier of those engine blocks only, and returns the keys they released (what they owned; an entry
+that another engine block still owns stays). A removal of a hash the pod never stored is a no-op. An
+engine hash is taken to name its content: storing a known (pod, engine hash) again refreshes it (adds
+the tier, renews its recency) and keeps the keys first computed for it.
 
 Orphans. A BlockStored whose parent hash is unknown for the pod (an earlier event was lost) is not
 indexed: its keys cannot be known, and guessing (e.g. chaining from the root) would index blocks under
@@ -26,17 +30,24 @@ are never indexed either. Remembering costs no entries. A later store of the sam
 parent (e.g. after a replay) indexes them normally. Malformed events (token count not matching the
 blocks, over the tier / pod limits) are counted as `rejected`, and their hashes join the unknown chain.
 
-Memory bound. At most `max_entries` entries: when a store pushes the count over it, the least recently
-stored units (ties impossible: every stored unit gets its own stamp; within one event the deeper
-blocks are older, so a chain loses its tail first) are evicted until `evict_headroom` entries are free.
-An engine block that completes no index block counts as one entry for the bound. Evicting a unit
+Memory bound. At most `max_entries` entries. The bound counts ownerships (each live unit's keys, and 1
+for an engine block that completes none, such as a short page), an upper bound of the entries. When a
+store pushes it over `max_entries`, the least recently stored units are evicted (every stored unit gets
+its own stamp, so there are no ties; within one event the deeper blocks are older, so a chain loses its
+tail first), until `evict_headroom` is free: eviction then runs once per so many stores. Evicting a unit
 forgets its chain state once no tier holds it, so later children of that block are orphans.
 
-Batching. `store` and `remove` do their bookkeeping in Python (parent known? entries added or removed?)
-and queue the numpy work, which runs in batches (`flush`): when the queue is long, before any read
-(`lookup`, `pod_counts`, `pods`, `stats`), before `clear_pod`, before an operation that touches an
-engine hash with queued work, and before a store that might push the index over its bound. The order
-of effects is therefore exactly that of the calls. Single writer, not thread-safe.
+Batching. `store` and `remove` do their bookkeeping in Python (is the parent known? how many entries?)
+and queue the numpy work, which runs in batches (`flush`): when the queue holds 4,096 blocks or 64K
+tokens, before any read (`lookup`, `lookup_weighted`, `pod_counts`, `pods`, `stats`), before
+`clear_pod`, before an operation that touches an engine hash with queued work, and before a store that
+might push the index over its bound. The order of effects is therefore exactly that of the calls. A
+read pays for the queued work (about 1 us per queued block), so a caller that wants steady read
+latency calls `flush()` after each batch of events. Single writer, not thread-safe.
+
+Limits: 65,534 pods at a time (ids are reused after `clear_pod`), 12 tier names, index blocks of up to
+256 tokens, engine blocks of up to 4,095 index blocks. The arrays (`holdings.py`, `table.py`) take 50-60
+bytes per entry (10 M entries, engine blocks the size of index blocks, one tier, no shared keys).
 """
 
 from __future__ import annotations
@@ -71,9 +82,13 @@ class StoreOutcome:
     orphan: bool  # parent engine hash unknown for this pod
 
 
+_STORED: Final = [StoreOutcome(k, False) for k in range(1025)]  # immutable: shared, not rebuilt per event
+_ORPHAN: Final = StoreOutcome(0, True)
+
+
 @dataclass(frozen=True, slots=True)
 class IndexStats:
-    entries: int  # (block key, pod, tier) entries held
+    entries: int  # (block key, pod, tier) entries held (distinct)
     max_entries: int
     evicted: int  # entries evicted by the memory bound so far
     orphans: int  # BlockStored events whose parent was unknown
@@ -145,7 +160,8 @@ class BlockIndex:
         root: int,
     ) -> StoreOutcome:
         """Index the blocks of one BlockStored event for `pod` on `tier` (see the module docstring).
-        Engine hashes are unsigned 64-bit ints (as `events.decode_batch` gives them)."""
+        Engine hashes are 64-bit ints (`events.decode_batch` makes them unsigned; an engine that always
+        sends them signed works too). `token_ids` may be kept by reference until the next flush."""
         n = len(engine_hashes)
         ntok = len(token_ids)
         ebs = engine_block_size
@@ -168,7 +184,7 @@ class BlockIndex:
                 self._rejected += 1
                 if pid >= 0:
                     self._forget_chain(pid, engine_hashes)
-            return StoreOutcome(0, False)
+            return _STORED[0]
         # what the event may add to the bound: its keys, + 1 per engine block that might complete none
         weight = (ntok + bs - 1) // bs + (0 if ebs >= bs and ntok == n * ebs else n)
         if self._q_blocks and self._h.used + self._q_weight + weight > self.max_entries:
@@ -212,8 +228,7 @@ class BlockIndex:
         index = self._q_index.get(pid)
         if index is None:
             index = self._q_index[pid] = {}
-        elif not self._q_dups and not index.keys().isdisjoint(engine_hashes):
-            self._q_dups = True
+        size = len(index) + n
         if ebs % bs == 0 and ntok == n * ebs:  # every block leaves the chain where the event began it
             index.update(zip(engine_hashes, range(g0 * 256 + npend0, (g0 + n) * 256, 256), strict=True))
         else:
@@ -225,15 +240,20 @@ class BlockIndex:
                     strict=True,
                 )
             )
+        if len(index) != size:
+            self._q_dups = True  # a hash queued twice for the pod
         self._q_blocks = g0 + n
         self._q_tok += ntok
         self._q_weight += weight
         if self._q_tok >= _FLUSH_TOKENS or self._q_blocks >= _FLUSH_BLOCKS:
             self._flush()
-        return StoreOutcome((npend0 + ntok) // bs, False)
+        k = (npend0 + ntok) // bs
+        return _STORED[k] if k < len(_STORED) else StoreOutcome(k, False)
 
     def remove(self, pod: str, engine_hashes: Sequence[int], tier: str) -> int:
-        """BlockRemoved: drop `tier` of these engine blocks of `pod`; returns the entries removed."""
+        """BlockRemoved: drop `tier` of these engine blocks of `pod`. Returns the entries they released:
+        the index blocks they completed, held on that tier (one still completed by another engine block
+        of the pod stays held; `stats().entries` is exact)."""
         pid = self._pod_ids.get(pod)
         tid = self._tier_ids.get(tier)
         if pid is None or tid is None or not engine_hashes:
@@ -290,7 +310,7 @@ class BlockIndex:
         """For each pod: for each tier on which the pod holds a consecutive prefix of the prompt's blocks
         (from block 0), its length; plus "any": the consecutive prefix held on any tier (a block may sit on
         one tier, the next on another). Pods the index does not know map to {}. One pass: one batched
-        probe per (key, 32-pod chunk, tier), then running ANDs of the pod bit masks."""
+        probe per (key, 32-pod chunk), then running ANDs of the pod bit masks."""
         out: dict[str, dict[str, int]] = {name: {} for name in pods}
         held = self._held(keys, pods)
         if held is None:
@@ -353,8 +373,7 @@ class BlockIndex:
         pids = np.array([p for _, p in known], dtype=np.intp)
         tiers = np.flatnonzero(self._h.counts[pids].any(axis=0)).tolist()
         chunks = sorted({p >> CHUNK_BITS for _, p in known})
-        rows = [c | (t << 11) for t in tiers for c in chunks]
-        masks = self._h.masks(arr, rows).reshape(len(tiers), len(chunks), len(arr))
+        masks = self._h.masks(arr, chunks, tiers)
         return known, tiers, {c: i for i, c in enumerate(chunks)}, masks
 
     def pod_counts(self, pod: str) -> dict[str, int]:
@@ -422,7 +441,7 @@ class BlockIndex:
         if unknown is not None and parent in unknown:
             self._descendants += 1
         self._forget_chain(pid, engine_hashes)
-        return StoreOutcome(0, True)
+        return _ORPHAN
 
     def _forget_chain(self, pid: int, engine_hashes: Sequence[int]) -> None:
         unknown = self._unknown.get(pid)

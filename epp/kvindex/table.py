@@ -157,11 +157,13 @@ class HashTable:
         at = buckets[r] * BUCKET + (np.log2(w[single]) / 8).astype(np.intp)
         ok = self.tags[at] == tags[r]
         out[r[ok]] = at[ok]
-        for i in rows[~single].tolist():  # the same key under several tags in one bucket (rare)
-            for j in np.flatnonzero(m[i]).tolist():
-                slot = int(buckets[i]) * BUCKET + j
-                if self.tags[slot] == tags[i]:
-                    out[i] = slot
+        multi = rows[~single]  # the same key under several tags in one bucket (rare)
+        if multi.size:
+            b = buckets[multi]
+            both = m[multi] & (self.tags[b[:, None] * BUCKET + _SLOTS] == tags[multi][:, None])
+            w = both.view(np.uint64).ravel()
+            hit = w != 0
+            out[multi[hit]] = b[hit] * BUCKET + (np.log2(w[hit]) / 8).astype(np.intp)
         return out
 
     def find_one(self, key: int, tag: int) -> int:
@@ -443,6 +445,7 @@ class HashTable:
         for col in self.cols.values():
             col[dest] = col[src]
         tail = idx[(_SLOTS[None, :] >= kept[:, None]) & (_SLOTS[None, :] < old[:, None])]
+        self.keys[tail] = 0  # no stale copies of moved keys: lookups of them stay on the fast path
         self.tags[tail] = self.empty_tag
         for name, col in self.cols.items():
             col[tail] = self.specs[name][1]

@@ -431,6 +431,44 @@ def test_sglang_partial_pages() -> None:
     assert index.lookup(KEYS, ["p"]) == {"p": {"any": 2, GPU: 2}}
 
 
+def test_signed_engine_hashes_and_numpy_tokens() -> None:
+    # SGLang sends signed 64-bit hashes (the decoder makes them unsigned; the index copes either way)
+    index = BlockIndex(BS)
+    evs = events_for(TOKENS, BS, 4)
+    signed = [[h - (1 << 64) if h >= 1 << 63 else h for h in hs] for hs, _, _ in evs]
+    parent = None
+    for i, (_, _, toks) in enumerate(evs):
+        tokens = np.array(toks, dtype=np.int32) if i % 2 else toks
+        assert not index.store("p", signed[i], parent, tokens, BS, GPU, ROOT).orphan
+        parent = signed[i][-1]
+        if i == 1:
+            index.flush()  # the next parent is looked up in the tables, not in the queue
+    assert index.lookup(KEYS.tolist(), ["p"]) == {"p": {"any": 16, GPU: 16}}
+    assert index.remove("p", signed[3], GPU) == 4
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 12, GPU: 12}}
+
+
+def test_tier_limit() -> None:
+    index = BlockIndex(BS)
+    hs, _, toks = events_for(TOKENS, BS, 1)[0]
+    for t in range(12):
+        assert index.store("p", hs, None, toks, BS, f"tier{t}", ROOT).stored == 1
+    assert index.store("p", hs, None, toks, BS, "one-too-many", ROOT) == StoreOutcome(0, False)
+    assert index.stats().rejected == 1
+    assert index.pod_counts("p") == {f"tier{t}": 1 for t in range(12)}
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 64])
+def test_other_index_block_sizes(block_size: int) -> None:
+    index = BlockIndex(block_size)
+    for pod, ebs in [("a", 16), ("b", 1), ("c", 64)]:
+        for hs, parent, toks in events_for(TOKENS, ebs, 3):
+            index.store(pod, hs, parent, toks, ebs, GPU, ROOT)
+    n = len(TOKENS) // block_size
+    keys = block_keys(TOKENS, block_size, ROOT)
+    assert index.lookup(keys, ["a", "b", "c"]) == {p: {"any": n, GPU: n} for p in "abc"}
+
+
 def test_clear_pod_drops_everything_of_the_pod() -> None:
     index = BlockIndex(BS)
     store_all(index, "a", TOKENS, 64)
