@@ -11,7 +11,11 @@ from epp.kvindex.ingest import KvIngest
 from epp.kvindex.service import KvIndexService
 
 
-def index_report(service: KvIndexService, ingest: KvIngest, mode: str, now: float) -> dict[str, Any]:
+def index_report(
+    service: KvIndexService, ingest: KvIngest, mode: str, now: float, served_models: set[str] | None = None
+) -> dict[str, Any]:
+    """`served_models`: models the pool's endpoints serve; those without a tokenizer are listed, since
+    precise scoring is off for their text and chat prompts."""
     stats = service.index.stats()
     pods: dict[str, Any] = {}
     names = sorted(set(service.index.pods()) | set(ingest.counters) | set(service.freshness.pods()))
@@ -44,6 +48,7 @@ def index_report(service: KvIndexService, ingest: KvIngest, mode: str, now: floa
         "evicted": stats.evicted,
         "orphans": stats.orphans,
         "tokenizers": {m: True for m in service.tokenizers.models()},
+        "models_without_tokenizer": sorted((served_models or set()) - set(service.tokenizers.models())),
         "precise_scoring_off": unkeyed,
         "pods": pods,
     }

@@ -108,7 +108,7 @@ class EppServer:
             self.clock,
             self.is_ready,
             settings.debug_endpoints,
-            lambda: index_report(self.kv, self.ingest, kv.mode, self.clock.now()),
+            lambda: index_report(self.kv, self.ingest, kv.mode, self.clock.now(), self._served_models()),
         )
         self.scraper: MetricsScraper | None = None
         if settings.refresh_metrics_interval > 0:
@@ -136,6 +136,9 @@ class EppServer:
         if rec.metrics is not None and rec.metrics.models:
             return min(rec.metrics.models)
         return None
+
+    def _served_models(self) -> set[str]:
+        return {m for m in map(self._model_of, self.datastore.ids()) if m}
 
     def is_ready(self) -> bool:
         return self._ready

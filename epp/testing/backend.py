@@ -26,8 +26,17 @@ from aiohttp import web
 
 MetricsMode = Literal["ok", "error500", "hang", "garbage"]
 METRICS_MODES: tuple[str, ...] = get_args(MetricsMode)
-_KNOBS = ("waiting", "running", "kv_usage", "metrics_mode", "stream_delay", "num_chunks",
-          "response_delay", "fail_status", "auto_running")
+_KNOBS = (
+    "waiting",
+    "running",
+    "kv_usage",
+    "metrics_mode",
+    "stream_delay",
+    "num_chunks",
+    "response_delay",
+    "fail_status",
+    "auto_running",
+)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
@@ -186,11 +195,16 @@ class FakeModelServer:
             payload = json.loads(body) if body else None
         except ValueError:
             payload = None
-        self.requests.append(RecordedRequest(
-            method=request.method, path=request.path,
-            headers={k.lower(): v for k, v in request.headers.items()},
-            body_len=len(body), body_sha256=hashlib.sha256(body).hexdigest(), json=payload,
-        ))
+        self.requests.append(
+            RecordedRequest(
+                method=request.method,
+                path=request.path,
+                headers={k.lower(): v for k, v in request.headers.items()},
+                body_len=len(body),
+                body_sha256=hashlib.sha256(body).hexdigest(),
+                json=payload,
+            )
+        )
         self.in_flight += 1
         try:
             return await self._answer(request, payload)
@@ -198,8 +212,13 @@ class FakeModelServer:
             self.in_flight -= 1
 
     def _error(self, status: int, message: str) -> web.Response:
-        err = {"object": "error", "message": message, "type": "BadRequestError", "code": status,
-               "served_by": self.name}
+        err = {
+            "object": "error",
+            "message": message,
+            "type": "BadRequestError",
+            "code": status,
+            "served_by": self.name,
+        }
         return web.Response(status=status, text=json.dumps(err), headers=self._headers("application/json"))
 
     async def _answer(self, request: web.Request, payload: Any | None) -> web.StreamResponse:
@@ -216,22 +235,37 @@ class FakeModelServer:
         if isinstance(max_tokens, int) and max_tokens > 0:
             n = min(n, max_tokens)
         pieces = [f"tok{i} " for i in range(n)]
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-                 "prompt_tokens_details": {"cached_tokens": 0}}
-        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": payload.get("model", self.model), "served_by": self.name}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": payload.get("model", self.model),
+            "served_by": self.name,
+        }
         if not payload.get("stream"):
             text = "".join(pieces)
-            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                       "finish_reason": "length"} if chat else
-                                      {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
-            doc = {**base, "object": "chat.completion" if chat else "text_completion",
-                   "choices": [choice], "usage": usage}
+            choice: dict[str, Any] = (
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            )
+            doc = {
+                **base,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice],
+                "usage": usage,
+            }
             return web.Response(text=json.dumps(doc), headers=self._headers("application/json"))
         options = payload.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        resp = web.StreamResponse(status=200, headers={**self._headers("text/event-stream"),
-                                                       "cache-control": "no-cache"})
+        resp = web.StreamResponse(
+            status=200, headers={**self._headers("text/event-stream"), "cache-control": "no-cache"}
+        )
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         for i, piece in enumerate(pieces):
@@ -260,8 +294,12 @@ class FakeModelServer:
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
     async def _models(self, request: web.Request) -> web.Response:
-        doc = {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                           "owned_by": "fake", "root": self.model}]}
+        doc = {
+            "object": "list",
+            "data": [
+                {"id": self.model, "object": "model", "created": 0, "owned_by": "fake", "root": self.model}
+            ],
+        }
         return web.Response(text=json.dumps(doc), headers=self._headers("application/json"))
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -287,10 +325,12 @@ class FakeModelServer:
             await self._stopping.wait()
             return web.Response(status=503, text="stopping\n")
         if mode == "garbage":
-            junk = "<html>not prometheus</html>\nvllm:num_requests_waiting{model_name=\"x\" 1 2 3\n}}{{\n"
+            junk = '<html>not prometheus</html>\nvllm:num_requests_waiting{model_name="x" 1 2 3\n}}{{\n'
             return web.Response(status=200, text=junk, content_type="text/plain")
-        return web.Response(body=self.metrics_text().encode(),
-                            headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=self.metrics_text().encode(),
+            headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
 
     def metrics_text(self) -> str:
         """The Prometheus text page served in ``metrics_mode == "ok"``, shaped like vLLM's."""
@@ -350,8 +390,9 @@ async def stop_backends(servers: list[FakeModelServer]) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    servers = await start_backends(args.count, args.prefix, stream_delay=args.stream_delay,
-                                   num_chunks=args.num_chunks, model=args.model)
+    servers = await start_backends(
+        args.count, args.prefix, stream_delay=args.stream_delay, num_chunks=args.num_chunks, model=args.model
+    )
     try:
         tmp = Path(f"{args.port_file}.tmp{os.getpid()}")
         tmp.write_text("".join(f"{s.address}\n" for s in servers))

@@ -36,8 +36,9 @@ SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
 _TYPE = "@type"
-_T_HCM = ("type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-          ".HttpConnectionManager")
+_T_HCM = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
 _T_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _T_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _T_H2M = "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
@@ -90,9 +91,13 @@ class EnvoyConfig:
     max_requests: int = 100_000  # circuit-breaker thresholds of both clusters
 
     def __post_init__(self) -> None:
-        for name, kind in (("request_body_mode", RequestBodyMode), ("response_body_mode", ResponseBodyMode),
-                           ("request_header_mode", HeaderMode), ("response_header_mode", HeaderMode),
-                           ("pool", PoolKind)):
+        for name, kind in (
+            ("request_body_mode", RequestBodyMode),
+            ("response_body_mode", ResponseBodyMode),
+            ("request_header_mode", HeaderMode),
+            ("response_header_mode", HeaderMode),
+            ("pool", PoolKind),
+        ):
             if getattr(self, name) not in get_args(kind):
                 raise ValueError(f"{name} must be one of {get_args(kind)}, not {getattr(self, name)!r}")
         if self.pool == "override_host" and not self.pool_endpoints:
@@ -108,8 +113,17 @@ def _address(host: str, port: int) -> dict[str, Any]:
 
 
 def _circuit_breakers(n: int) -> dict[str, Any]:
-    return {"thresholds": [{"priority": "DEFAULT", "max_connections": n, "max_pending_requests": n,
-                            "max_requests": n, "max_retries": 16}]}
+    return {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": n,
+                "max_pending_requests": n,
+                "max_requests": n,
+                "max_retries": 16,
+            }
+        ]
+    }
 
 
 def _lb_policy(name: str, type_url: str, **config: Any) -> dict[str, Any]:
@@ -118,44 +132,86 @@ def _lb_policy(name: str, type_url: str, **config: Any) -> dict[str, Any]:
 
 
 def _pool_cluster(cfg: EnvoyConfig) -> dict[str, Any]:
-    pool: dict[str, Any] = {"name": "pool", "connect_timeout": _dur(cfg.connect_timeout_s),
-                            "circuit_breakers": _circuit_breakers(cfg.max_requests)}
+    pool: dict[str, Any] = {
+        "name": "pool",
+        "connect_timeout": _dur(cfg.connect_timeout_s),
+        "circuit_breakers": _circuit_breakers(cfg.max_requests),
+    }
     if cfg.pool == "original_dst":
-        pool.update({"type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "original_dst_lb_config": {
-            "use_http_header": True, "http_header_name": cfg.destination_header}})
+        pool.update(
+            {
+                "type": "ORIGINAL_DST",
+                "lb_policy": "CLUSTER_PROVIDED",
+                "original_dst_lb_config": {
+                    "use_http_header": True,
+                    "http_header_name": cfg.destination_header,
+                },
+            }
+        )
         return pool
     endpoints = []
     for ep in cfg.pool_endpoints:
         host, _, port = ep.rpartition(":")
         endpoints.append({"endpoint": {"address": _address(host.strip("[]"), int(port))}})
-    sources = [{"header": cfg.destination_header},
-               {"metadata": {"key": "envoy.lb", "path": [{"key": cfg.destination_header}]}}]
+    sources = [
+        {"header": cfg.destination_header},
+        {"metadata": {"key": "envoy.lb", "path": [{"key": cfg.destination_header}]}},
+    ]
     fallback = _lb_policy("envoy.load_balancing_policies.round_robin", _T_ROUND_ROBIN)
-    policy = _lb_policy("envoy.load_balancing_policies.override_host", _T_OVERRIDE_HOST,
-                        override_host_sources=sources, fallback_policy=fallback)
-    pool.update({"type": "STATIC", "load_balancing_policy": policy,
-                 "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]}})
+    policy = _lb_policy(
+        "envoy.load_balancing_policies.override_host",
+        _T_OVERRIDE_HOST,
+        override_host_sources=sources,
+        fallback_policy=fallback,
+    )
+    pool.update(
+        {
+            "type": "STATIC",
+            "load_balancing_policy": policy,
+            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]},
+        }
+    )
     return pool
 
 
 def _subset_hint_filters(cfg: EnvoyConfig) -> list[dict[str, Any]]:
     filters: list[dict[str, Any]] = []
     if cfg.subset_hint_static is not None:
-        filters.append({"name": "envoy.filters.http.set_metadata", "typed_config": {
-            _TYPE: _T_SET_MD,
-            "metadata": [{"metadata_namespace": SUBSET_HINT_NAMESPACE, "allow_overwrite": True,
-                          "value": {SUBSET_HINT_KEY: list(cfg.subset_hint_static)}}],
-        }})
+        filters.append(
+            {
+                "name": "envoy.filters.http.set_metadata",
+                "typed_config": {
+                    _TYPE: _T_SET_MD,
+                    "metadata": [
+                        {
+                            "metadata_namespace": SUBSET_HINT_NAMESPACE,
+                            "allow_overwrite": True,
+                            "value": {SUBSET_HINT_KEY: list(cfg.subset_hint_static)},
+                        }
+                    ],
+                },
+            }
+        )
     if cfg.subset_hint_from_header is not None:
-        filters.append({"name": "envoy.filters.http.header_to_metadata", "typed_config": {
-            _TYPE: _T_H2M,
-            "request_rules": [{
-                "header": cfg.subset_hint_from_header,
-                "on_header_present": {"metadata_namespace": SUBSET_HINT_NAMESPACE, "key": SUBSET_HINT_KEY,
-                                      "type": "STRING"},
-                "remove": True,
-            }],
-        }})
+        filters.append(
+            {
+                "name": "envoy.filters.http.header_to_metadata",
+                "typed_config": {
+                    _TYPE: _T_H2M,
+                    "request_rules": [
+                        {
+                            "header": cfg.subset_hint_from_header,
+                            "on_header_present": {
+                                "metadata_namespace": SUBSET_HINT_NAMESPACE,
+                                "key": SUBSET_HINT_KEY,
+                                "type": "STRING",
+                            },
+                            "remove": True,
+                        }
+                    ],
+                },
+            }
+        )
     return filters
 
 
@@ -174,15 +230,18 @@ def _ext_proc_filter(cfg: EnvoyConfig) -> dict[str, Any]:
     }
     if cfg.forwarding_namespaces:
         metadata_options["forwarding_namespaces"] = {"untyped": list(cfg.forwarding_namespaces)}
-    return {"name": "envoy.filters.http.ext_proc", "typed_config": {
-        _TYPE: _T_EXT_PROC,
-        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}},
-        "processing_mode": mode,
-        "message_timeout": _dur(cfg.message_timeout_s),
-        "failure_mode_allow": cfg.failure_mode_allow,
-        "allow_mode_override": False,
-        "metadata_options": metadata_options,
-    }}
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            _TYPE: _T_EXT_PROC,
+            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}},
+            "processing_mode": mode,
+            "message_timeout": _dur(cfg.message_timeout_s),
+            "failure_mode_allow": cfg.failure_mode_allow,
+            "allow_mode_override": False,
+            "metadata_options": metadata_options,
+        },
+    }
 
 
 def render_bootstrap(cfg: EnvoyConfig) -> dict[str, Any]:
@@ -194,37 +253,65 @@ def render_bootstrap(cfg: EnvoyConfig) -> dict[str, Any]:
     http_filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _T_ROUTER}})
     route: dict[str, Any] = {"cluster": "pool", "timeout": _dur(cfg.route_timeout_s)}
     if cfg.retries:
-        route["retry_policy"] = {"retry_on": "connect-failure,reset,refused-stream,retriable-status-codes",
-                                 "retriable_status_codes": [503], "num_retries": cfg.retries}
+        route["retry_policy"] = {
+            "retry_on": "connect-failure,reset,refused-stream,retriable-status-codes",
+            "retriable_status_codes": [503],
+            "num_retries": cfg.retries,
+        }
     hcm = {
-        _TYPE: _T_HCM, "stat_prefix": "ingress", "codec_type": "AUTO",
-        "stream_idle_timeout": _dur(cfg.stream_idle_timeout_s), "request_timeout": "0s",
-        "route_config": {"name": "local", "virtual_hosts": [{
-            "name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
+        _TYPE: _T_HCM,
+        "stat_prefix": "ingress",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": _dur(cfg.stream_idle_timeout_s),
+        "request_timeout": "0s",
+        "route_config": {
+            "name": "local",
+            "virtual_hosts": [
+                {"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}
+            ],
+        },
         "http_filters": http_filters,
     }
     listener = {
-        "name": "gateway", "address": _address("127.0.0.1", cfg.listener_port),
+        "name": "gateway",
+        "address": _address("127.0.0.1", cfg.listener_port),
         "per_connection_buffer_limit_bytes": cfg.per_connection_buffer_limit_bytes,
-        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                        "typed_config": hcm}]}],
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+        ],
     }
     clusters: list[dict[str, Any]] = [_pool_cluster(cfg)]
     if cfg.ext_proc:
         epp: dict[str, Any] = {
-            "name": "epp", "type": "STATIC", "connect_timeout": _dur(cfg.connect_timeout_s),
-            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                _TYPE: _T_HTTP_OPTS, "explicit_http_config": {"http2_protocol_options": {}},
-            }},
-            "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": _address(cfg.epp_host, cfg.epp_port)}},
-            ]}]},
+            "name": "epp",
+            "type": "STATIC",
+            "connect_timeout": _dur(cfg.connect_timeout_s),
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    _TYPE: _T_HTTP_OPTS,
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                }
+            },
+            "load_assignment": {
+                "cluster_name": "epp",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {"endpoint": {"address": _address(cfg.epp_host, cfg.epp_port)}},
+                        ]
+                    }
+                ],
+            },
             "circuit_breakers": _circuit_breakers(cfg.max_requests),
         }
         if cfg.epp_tls:
-            epp["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
-                _TYPE: _T_TLS, "common_tls_context": {"alpn_protocols": ["h2"]},
-            }}
+            epp["transport_socket"] = {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    _TYPE: _T_TLS,
+                    "common_tls_context": {"alpn_protocols": ["h2"]},
+                },
+            }
         clusters.append(epp)
     return {
         "admin": {"address": _address("127.0.0.1", cfg.admin_port)},
@@ -267,9 +354,22 @@ def validate_bootstrap(cfg: EnvoyConfig, envoy_binary: str | None = None, timeou
         path = Path(tmp) / "bootstrap.yaml"
         path.write_text(bootstrap_yaml(cfg))
         proc = subprocess.run(
-            [envoy_binary or find_envoy(), "--mode", "validate", "-c", str(path),
-             "--disable-hot-restart", "--base-id", str(_base_id()), "--log-level", "warn"],
-            capture_output=True, text=True, timeout=timeout_s, check=False,
+            [
+                envoy_binary or find_envoy(),
+                "--mode",
+                "validate",
+                "-c",
+                str(path),
+                "--disable-hot-restart",
+                "--base-id",
+                str(_base_id()),
+                "--log-level",
+                "warn",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
     if proc.returncode != 0:
         raise EnvoyError(f"envoy rejected the bootstrap (rc={proc.returncode}):\n{proc.stdout}{proc.stderr}")
@@ -278,9 +378,16 @@ def validate_bootstrap(cfg: EnvoyConfig, envoy_binary: str | None = None, timeou
 class EnvoyProcess:
     """A running Envoy with the bootstrap from ``cfg``; use ``async with EnvoyProcess(cfg) as envoy``."""
 
-    def __init__(self, cfg: EnvoyConfig, *, envoy_binary: str | None = None, log_level: str = "warn",
-                 concurrency: int | None = None, ready_timeout_s: float = 10.0,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        cfg: EnvoyConfig,
+        *,
+        envoy_binary: str | None = None,
+        log_level: str = "warn",
+        concurrency: int | None = None,
+        ready_timeout_s: float = 10.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self._requested = cfg
         self.cfg = cfg  # with the actual ports once started
         self.envoy_binary = envoy_binary
@@ -343,18 +450,29 @@ class EnvoyProcess:
 
     async def _start_once(self, binary: str) -> None:
         req = self._requested
-        self.cfg = replace(req, listener_port=req.listener_port or free_port(),
-                           admin_port=req.admin_port or free_port())
+        self.cfg = replace(
+            req, listener_port=req.listener_port or free_port(), admin_port=req.admin_port or free_port()
+        )
         self.workdir = Path(tempfile.mkdtemp(prefix="epp-envoy-"))
         config_path = self.workdir / "bootstrap.yaml"
         config_path.write_text(bootstrap_yaml(self.cfg))
-        args = [binary, "-c", str(config_path), "--disable-hot-restart", "--base-id", str(_base_id()),
-                "--log-level", self.log_level, *self.extra_args]
+        args = [
+            binary,
+            "-c",
+            str(config_path),
+            "--disable-hot-restart",
+            "--base-id",
+            str(_base_id()),
+            "--log-level",
+            self.log_level,
+            *self.extra_args,
+        ]
         if self.concurrency is not None:
             args += ["--concurrency", str(self.concurrency)]
         with open(self.workdir / "envoy.log", "wb") as log:
             self._proc = await asyncio.create_subprocess_exec(
-                *args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                *args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
         try:
             await self._wait_ready()
         except BaseException as exc:

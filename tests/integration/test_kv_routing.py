@@ -127,6 +127,7 @@ async def test_chat_prompt_is_tokenized_with_the_models_template(tmp_path: pathl
         async with c["session"].get(f"http://127.0.0.1:{epp.metrics_port}/debug/index") as r:
             report = json.loads(await r.text())
         assert report["tokenizers"] == {MODEL: True}
+        assert report["models_without_tokenizer"] == []
         assert report["pods"][holder.address]["blocks"] == {"gpu": n}
         assert report["pods"][holder.address]["freshness"] in ("fresh", "degraded")
         assert "careful assistant" not in json.dumps(report)  # no prompt content in debug output

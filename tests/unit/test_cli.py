@@ -49,6 +49,8 @@ def test_serve_without_endpoints_is_a_config_error(capsys: pytest.CaptureFixture
         (["serve", "--endpoints", "10.0.0.1:80", "--secure-serving=maybe"], "expected true or false"),
         (["serve", "--endpoints", "10.0.0.1:80", "--refresh-metrics-interval", "soon"], "not a duration"),
         (["serve", "--endpoints", "10.0.0.1:80", "--max-body-size", "lots"], "not a size"),
+        (["serve", "--endpoints", "10.0.0.1:80", "--tokenizer", "no-equals-sign"], "expected MODEL=DIR"),
+        (["serve", "--endpoints", "10.0.0.1:80", "--kv-events-mode", "sideways"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(
@@ -72,3 +74,35 @@ def test_bad_cert_path_fails_before_serving(
     args += ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
     assert main(args) == 1
     assert "tls.crt" in capsys.readouterr().err
+
+
+def test_missing_tokenizer_directory_fails_at_startup(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "serve",
+        "--endpoints",
+        "127.0.0.1:1",
+        "--tokenizer",
+        f"m={tmp_path / 'nope'}",
+        "--host",
+        "127.0.0.1",
+    ]
+    args += ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0", "--secure-serving=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer error" in err and "nope" in err
+
+
+def test_bad_kv_bind_flag_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "serve",
+        "--endpoints",
+        "127.0.0.1:1",
+        "--kv-events-mode",
+        "central",
+        "--kv-events-bind",
+        "nowhere",
+    ]
+    assert main(args) == 2
+    assert "bind" in capsys.readouterr().err

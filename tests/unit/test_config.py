@@ -42,7 +42,23 @@ objectives:
 
 
 def build(text: str) -> object:
-    return build_scheduler(parse_config(text, "epp.yaml"), default_registry(), FakeClock(), random.Random(0))
+    return build_scheduler(
+        parse_config(text, "epp.yaml"),
+        default_registry(),
+        FakeClock(),
+        random.Random(0),
+        services=kv_services(),
+    )
+
+
+def kv_services() -> dict[str, object]:
+    from epp.kvindex.freshness import FreshnessTracker
+    from epp.kvindex.index import BlockIndex
+    from epp.kvindex.prompt import TokenizerRegistry
+    from epp.kvindex.service import SERVICE_KEY, KvIndexService
+
+    svc = KvIndexService(BlockIndex(16, 1000), FreshnessTracker(), TokenizerRegistry({}), 16)
+    return {SERVICE_KEY: svc}
 
 
 def test_reference_style_config_is_accepted() -> None:
@@ -140,6 +156,53 @@ def test_reference_style_config_is_accepted() -> None:
             "saturationDetector",
             "metricsStalenessThreshold",
         ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {mode: sideways}\n",
+            "kvEvents",
+            "mode",
+        ),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {port: 0}\n", "kvEvents", "port"),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {replayPort: 70000}\n",
+            "kvEvents",
+            "replayPort",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {mode: central, bind: 'x:1'}\n",
+            "kvEvents",
+            "bind",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {replayTimeout: later}\n",
+            "kvEvents",
+            "replayTimeout",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {dpRanks: 0}\n",
+            "kvEvents",
+            "dpRanks",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {sideways: 1}\n",
+            "kvEvents",
+            "sideways",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nindex: {blockSize: 0}\n",
+            "index",
+            "blockSize",
+        ),
+        (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nindex: {maxEntries: 0}\n",
+            "index",
+            "maxEntries",
+        ),
+        (
+            HEAD + "plugins:\n- type: precise-prefix-cache-scorer\n  parameters: {tierWeights: {cpu: 2}}\n"
+            "schedulingProfiles: [{name: d}]\n",
+            "precise-prefix-cache-scorer",
+            "parameters.tierWeights.cpu",
+        ),
         ("plugins: [\n", "", ""),
         ("- just\n- a list\n", "", ""),
     ],
@@ -165,3 +228,22 @@ def test_load_config_from_file(tmp_path: object) -> None:
     p = pathlib.Path(str(tmp_path)) / "epp.yaml"
     p.write_text(GOOD)
     assert load_config(str(p)).source == str(p)
+
+
+def test_kv_sections_parse() -> None:
+    cfg = parse_config(
+        HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\n"
+        "kvEvents: {mode: per-pod, port: 6000, replayPort: 6001, dpRanks: 2, replayTimeout: 500ms}\n"
+        "index: {blockSize: 64, maxEntries: 1000}\ntokenizers: {llama: /models/llama}\n",
+        "kv.yaml",
+    )
+    assert (cfg.kv_events.mode, cfg.kv_events.port, cfg.kv_events.replay_port) == ("per-pod", 6000, 6001)
+    assert cfg.kv_events.dp_ranks == 2 and cfg.kv_events.replay_timeout == pytest.approx(0.5)
+    assert (cfg.index.block_size, cfg.index.max_entries) == (64, 1000)
+    assert cfg.tokenizers == {"llama": "/models/llama"}
+
+
+def test_precise_scorer_without_the_kv_index_is_a_config_error() -> None:
+    text = HEAD + "plugins:\n- type: precise-prefix-cache-scorer\nschedulingProfiles: [{name: d}]\n"
+    with pytest.raises(ConfigError, match="needs the KV index"):
+        build_scheduler(parse_config(text, "epp.yaml"), default_registry(), FakeClock(), random.Random(0))
