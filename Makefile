@@ -28,6 +28,10 @@ unit: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/request_path.py
+	$(BIN)/python benchmarks/kv_decode.py
+	$(BIN)/python benchmarks/kv_prompt.py
+	$(BIN)/python benchmarks/kv_index.py
+	$(BIN)/python benchmarks/kv_ingest.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/overhead.py
 
 clean:

@@ -187,10 +187,15 @@ class KvEventSubscriber:
     async def _recv_loop(self, sock: zmq.asyncio.Socket, pod: str | None, rank: int) -> None:
         recv = sock.recv_multipart
         handle = self.handle
+        flush = self.ingest.index.flush
         while True:
             frames = await recv()
             try:
                 handle(frames, pod, rank)
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    # Nothing else is waiting: apply the index's batched work now rather than make the
+                    # next request's lookup pay for it (during a burst, batching continues).
+                    flush()
             except Exception:
                 log.exception("kv events: unexpected error handling a message from %s", pod or "central")
 

@@ -148,3 +148,66 @@ def test_registry_is_an_instance_not_a_global() -> None:
     assert r1 is not r2
     with pytest.raises(ValueError, match="already registered"):
         r1.register(SPEC)
+
+
+def _kv_scorer(params: dict[str, object] | None = None) -> tuple[object, object]:
+    from epp.kvindex.freshness import FreshnessTracker
+    from epp.kvindex.index import BlockIndex
+    from epp.kvindex.prompt import TokenizerRegistry
+    from epp.kvindex.service import SERVICE_KEY, KvIndexService
+
+    svc = KvIndexService(BlockIndex(16, 10_000), FreshnessTracker(), TokenizerRegistry({}), 16)
+    handle = PluginHandle(clock=FakeClock(NOW), rng=random.Random(0), services={SERVICE_KEY: svc})
+    return default_registry().create("precise-prefix-cache-scorer", "p", params, handle)[1], svc
+
+
+def _hold(svc: object, pod: str, tokens: list[int], tier: str, first_hash: int) -> None:
+    from epp.kvindex.keys import root_key
+
+    n = len(tokens) // 16
+    svc.index.store(pod, list(range(first_hash, first_hash + n)), None, tokens, 16, tier, root_key("m", None))  # type: ignore[attr-defined]
+    svc.freshness.message(pod, NOW)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("holdings", "expected"),
+    [
+        ({"a:1": [("gpu", 8)]}, {"a:1": 1.0, "b:1": 0.0}),  # whole prompt on GPU
+        ({"a:1": [("gpu", 4)], "b:1": [("cpu", 8)]}, {"a:1": 0.5, "b:1": 0.8}),  # half on GPU vs all on CPU
+        ({"a:1": [("storage", 8)]}, {"a:1": 0.5, "b:1": 0.0}),
+        (
+            {"a:1": [("cpu", 8), ("gpu", 2)]},
+            {"a:1": (2 * 1.0 + 6 * 0.8) / 8, "b:1": 0.0},
+        ),  # best tier per block
+        ({"a:1": [("nvme-x", 8)]}, {"a:1": 0.0, "b:1": 0.0}),  # unknown tier weight 0
+    ],
+)
+def test_precise_prefix_scorer_weights_blocks_by_their_best_tier(
+    holdings: dict[str, list[tuple[str, int]]], expected: dict[str, float]
+) -> None:
+    from epp.types import ApiKind, InferenceRequest
+
+    scorer, svc = _kv_scorer()
+    prompt = list(range(8 * 16 + 5))
+    for pod, tiers in holdings.items():
+        for i, (tier, blocks) in enumerate(tiers):
+            _hold(svc, pod, prompt[: blocks * 16], tier, 1000 * (i + 1))
+    req = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt=prompt)
+    eps = [endpoint("a:1"), endpoint("b:1")]
+    got = scorer.score(state(), req, eps)  # type: ignore[attr-defined]
+    assert got == pytest.approx([expected["a:1"], expected["b:1"]])
+
+
+def test_precise_prefix_scorer_gives_stale_pods_nothing_and_text_without_tokenizer_nothing() -> None:
+    from epp.types import ApiKind, InferenceRequest
+
+    scorer, svc = _kv_scorer()
+    prompt = list(range(4 * 16))
+    _hold(svc, "a:1", prompt, "gpu", 1)
+    req = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt=prompt)
+    assert scorer.score(state(), req, [endpoint("a:1")]) == [1.0]  # type: ignore[attr-defined]
+    svc.freshness.disconnected("a:1", NOW)  # type: ignore[attr-defined]
+    assert scorer.score(state(), req, [endpoint("a:1")]) == [0.0]  # type: ignore[attr-defined]
+    text = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt="no tokenizer for m")
+    assert scorer.score(state(), text, [endpoint("a:1")]) == [0.0]  # type: ignore[attr-defined]
+    assert svc.unkeyed[("m", "no_tokenizer")] == 1  # type: ignore[attr-defined]

@@ -65,29 +65,8 @@ class PrecisePrefixCacheScorer:
         if not pods:
             return [0.0] * len(endpoints)
         assert keys is not None
-        found = self.service.index.lookup(keys, pods)
-        return [self.weighted_prefix(found.get(e.id, {})) / n for e in endpoints]
-
-    def weighted_prefix(self, lengths: dict[str, int]) -> float:
-        """Sum over the consecutive prefix (blocks < lengths["any"]) of each block's best tier weight.
-
-        `lengths[t]` is the consecutive prefix held on tier t, so block i sits on every tier with
-        lengths[t] > i; a block inside the prefix that no tier holds consecutively is on some tier
-        further down and is credited with the lowest weight among the pod's tiers for this prompt."""
-        total = lengths.get("any", 0)
-        if total == 0:
-            return 0.0
-        tiers = sorted(
-            ((self.weight(t), n) for t, n in lengths.items() if t != "any" and n > 0), reverse=True
-        )
-        floor = min((self.weight(t) for t in lengths if t != "any"), default=0.0)
-        score = 0.0
-        covered = 0
-        for w, n in tiers:  # best weight first: it takes the blocks up to its own prefix length
-            if n > covered:
-                score += w * (n - covered)
-                covered = n
-        return score + floor * max(0, total - covered)
+        held = self.service.index.lookup_weighted(keys, pods, self.weights, self.unknown)
+        return [held.get(e.id, 0.0) / n for e in endpoints]
 
 
 def _build(name: str, params: PrecisePrefixParams, handle: PluginHandle) -> PrecisePrefixCacheScorer:
