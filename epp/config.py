@@ -194,27 +194,12 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
-DEFAULT_PRECISE_CONFIG_YAML = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: metrics-staleness-filter
-  parameters: {maxAge: 2s}
-- type: precise-prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: active-request-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: metrics-staleness-filter
-  - {pluginRef: precise-prefix-cache-scorer, weight: 3}
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
-  - {pluginRef: active-request-scorer, weight: 1}
-  - pluginRef: max-score-picker
-"""
+DEFAULT_PRECISE_CONFIG_YAML = DEFAULT_CONFIG_YAML.replace(
+    "- type: queue-scorer\n", "- type: precise-prefix-cache-scorer\n- type: queue-scorer\n"
+).replace(
+    "  - {pluginRef: queue-scorer, weight: 2}\n",
+    "  - {pluginRef: precise-prefix-cache-scorer, weight: 3}\n  - {pluginRef: queue-scorer, weight: 2}\n",
+)
 """The built-in default when KV events are on: the load-aware profile plus precise prefix scoring."""
 
 _MSGSPEC_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$")

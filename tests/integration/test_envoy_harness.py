@@ -6,7 +6,6 @@ Only 127.0.0.1; no timing assertions; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hashlib
 import json
 import signal
@@ -19,16 +18,13 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
+from epp.server.tls import self_signed
 from epp.testing.backend import FakeModelServer, start_backends, stop_backends
 from epp.testing.envoy import (
     SUBSET_HINT_KEY,
@@ -379,31 +375,12 @@ def hint_of(md: dict[str, Any]) -> list[str] | None:
     return hint.split(",") if isinstance(hint, str) else list(hint)
 
 
-def self_signed() -> tuple[bytes, bytes]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "epp")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
-    pem_key = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return pem_key, cert.public_bytes(serialization.Encoding.PEM)
-
-
 async def run_processor(proc: MiniProcessor, tls: bool = False) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(proc, server)
     if tls:
-        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([self_signed()]))
+        crt, key = self_signed()
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, crt)]))
     else:
         port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

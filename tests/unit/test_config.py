@@ -247,3 +247,22 @@ def test_precise_scorer_without_the_kv_index_is_a_config_error() -> None:
     text = HEAD + "plugins:\n- type: precise-prefix-cache-scorer\nschedulingProfiles: [{name: d}]\n"
     with pytest.raises(ConfigError, match="needs the KV index"):
         build_scheduler(parse_config(text, "epp.yaml"), default_registry(), FakeClock(), random.Random(0))
+
+
+def test_the_kv_default_profile_adds_the_precise_scorer() -> None:
+    from epp.config import default_config
+
+    s = build_scheduler(
+        default_config(kv_events=True),
+        default_registry(),
+        FakeClock(),
+        random.Random(0),
+        services=kv_services(),
+    )
+    weights = {w.type_name: w.weight for w in s.profiles["default"].scorers}
+    assert weights == {
+        "precise-prefix-cache-scorer": 3.0,
+        "queue-scorer": 2.0,
+        "kv-cache-utilization-scorer": 2.0,
+        "active-request-scorer": 1.0,
+    }
