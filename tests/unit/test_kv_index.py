@@ -420,6 +420,180 @@ def test_an_index_block_completed_by_two_engine_blocks_stays_until_both_go() -> 
     assert index.clear_pod("p") == 4
 
 
+# -- a real vLLM's events ---------------------------------------------------------------------
+# What vLLM 0.32 (CPU build, --block-size 32, prefix caching) published during the first test of
+# `make test-vllm`, as tests/vllm/conftest.py's EventRecorder captured it: one BlockStored per batch,
+# medium GPU, model "tiny", no salt. seq 0: prompt A (309 tokens, 9 full blocks); 1: "B: diverges at
+# 208" (A's blocks 0-5 hit, new blocks 6-7, the first 16 tokens of block 6 being A[192:208]); 2: "B:
+# diverges at 200"; 3: "B: A[:256] exactly", whose last block vLLM recomputes (the hit cap) and
+# re-stores under A's hash; 4: "B: A + 40 new tokens"; 5-7: "C" (diverges from A at 150: 5 blocks at
+# prefill, then 2 blocks filled while decoding, each in its own batch with its parent).
+VLLM_EBS = 32
+VLLM_ROOT = root_key("tiny")
+VLLM_EVENTS: list[tuple[int, list[int], int | None, str]] = [  # (seq, block_hashes, parent, token_ids)
+    (
+        0,
+        [
+            14361914673777341215,
+            2854050802433612853,
+            10830311523203405931,
+            2995319263061260186,
+            7582368648252452420,
+            9345838194532425879,
+            10075457688748096837,
+            10525246998580642859,
+            12333301579199414750,
+        ],
+        None,
+        "0 268 291 73 297 225 37 30 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 "
+        "225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 225 70 310 "
+        "71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 225 70 310 71 79 225 75 "
+        "281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 225 70 310 71 79 225 75 281 73 91 69 "
+        "93 225 80 69 93 300 225 84 89 70 80 361 76 300 225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 "
+        "93 300 225 84 89 70 80 361 76 300 225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 "
+        "84 89 70 80 361 76 300 225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 "
+        "361 76 300 225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 "
+        "225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 225 70 310 "
+        "71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 225 70 310 71 79 225 75 "
+        "281 73 91",
+    ),
+    (
+        1,
+        [6985326520106107137, 12567119006062733296],
+        9345838194532425879,
+        "69 93 300 225 84 89 70 80 361 76 300 225 70 310 71 79 326 327 328 329 330 331 332 333 334 335 "
+        "336 337 338 339 340 341 342 343 344 345 346 347 348 349 350 351 352 353 354 355 100 101 102 103 "
+        "104 105 106 107 108 109 110 111 112 113 114 115 116 117",
+    ),
+    (
+        2,
+        [9790740206988985584],
+        9345838194532425879,
+        "69 93 300 225 84 89 70 80 206 207 208 209 210 211 212 213 214 215 216 217 218 219 220 221 222 "
+        "223 224 225 226 227 228 229",
+    ),
+    (
+        3,
+        [10525246998580642859],
+        10075457688748096837,
+        "80 361 76 300 225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 361 76 "
+        "300 225 70 310",
+    ),
+    (
+        4,
+        [13149071699371690022],
+        12333301579199414750,
+        "69 93 225 80 69 93 300 225 84 89 70 80 361 76 300 225 70 310 71 79 18 101 102 103 104 105 106 "
+        "107 108 109 110 111",
+    ),
+    (
+        5,
+        [
+            786429314305146101,
+            4098296697262695805,
+            14052812173813851840,
+            7415999869275479449,
+            12994207988379381160,
+        ],
+        2995319263061260186,
+        "225 70 310 71 79 225 75 281 73 91 69 93 225 80 69 93 300 225 84 89 70 80 206 207 208 209 210 211 "
+        "212 213 214 215 216 217 218 219 220 221 222 223 224 225 226 227 228 229 230 231 232 233 234 235 "
+        "236 237 238 239 240 241 242 243 244 245 246 247 248 249 250 251 252 253 254 255 256 257 258 259 "
+        "260 261 262 263 264 265 266 267 268 269 270 271 272 273 274 275 276 277 278 279 280 281 282 283 "
+        "284 285 286 287 288 289 290 291 292 293 294 295 296 297 298 299 300 301 302 303 304 305 306 307 "
+        "308 309 310 311 312 313 314 315 316 317 318 319 320 321 322 323 324 325 326 327 328 329 330 331 "
+        "332 333 334 335 336 337 338 339 340 341 342 343",
+    ),
+    (
+        6,
+        [11319560693270829726],
+        12994207988379381160,
+        "344 345 346 347 348 349 350 351 352 353 354 355 334 393 363 294 445 281 369 222 334 393 363 294 "
+        "26 476 369 222 334 393 363 294",
+    ),
+    (
+        7,
+        [4896947624670817914],
+        11319560693270829726,
+        "2 290 163 367 494 285 369 222 334 393 363 294 2 290 163 367 494 285 369 222 334 393 363 294 2 "
+        "290 163 367 494 285 369 222",
+    ),
+]
+VLLM_A = VLLM_EVENTS[0][1]  # A's engine blocks 0-8
+VLLM_B = VLLM_EVENTS[1][1]  # "diverges at 208": blocks 6-7, children of A's block 5
+
+
+def vllm_store(index: BlockIndex, event: tuple[int, list[int], int | None, str]) -> None:
+    _, hashes, parent, text = event
+    out = index.store("vllm", hashes, parent, [int(t) for t in text.split()], VLLM_EBS, GPU, VLLM_ROOT)
+    assert not out.orphan
+
+
+def vllm_chains() -> dict[int, list[int]]:
+    """Engine hash -> every token from the start of the sequence to the end of that block."""
+    chains: dict[int, list[int]] = {}
+    for _, hashes, parent, text in VLLM_EVENTS:
+        tokens = [int(t) for t in text.split()]
+        prefix = [] if parent is None else chains[parent]
+        for j, h in enumerate(hashes):
+            prefix = prefix + tokens[j * VLLM_EBS : (j + 1) * VLLM_EBS]
+            chains[h] = prefix
+    return chains
+
+
+def test_vllm_engine_blocks_that_share_an_index_block_hold_it_once() -> None:
+    # seq 0-1: 11 distinct engine blocks of 32 tokens, yet 21 distinct index blocks of 16, not 22: B's
+    # block 6 and A's block 6 both start with the same 16 tokens after the same 192, so both complete
+    # index block 12 (tokens 192-207), one (key, pod, tier) entry with two owners.
+    index = BlockIndex(BS)
+    vllm_store(index, VLLM_EVENTS[0])
+    vllm_store(index, VLLM_EVENTS[1])
+    chains = vllm_chains()
+    a = block_keys(chains[VLLM_A[-1]], BS, VLLM_ROOT)
+    b = block_keys(chains[VLLM_B[-1]], BS, VLLM_ROOT)
+    assert len(a) == 18 and len(b) == 16
+    assert a[:13].tolist() == b[:13].tolist() and a[13] != b[13]
+    assert len({*a.tolist(), *b.tolist()}) == 21
+    assert index.pod_counts("vllm") == {GPU: 21} and index.stats().entries == 21
+    assert index.stats().engine_blocks == 11
+    assert index.lookup(a, ["vllm"]) == {"vllm": {"any": 18, GPU: 18}}
+    assert index.lookup(b, ["vllm"]) == {"vllm": {"any": 16, GPU: 16}}
+    # vLLM evicts deepest first, one BlockRemoved per block: A's blocks 8, 7, 6 release their 6 keys,
+    # but index block 12 stays held through B's block 6.
+    for h in reversed(VLLM_A[6:]):
+        assert index.remove("vllm", [h], GPU) == 2
+    assert index.pod_counts("vllm") == {GPU: 16} and index.stats().entries == 16
+    assert index.lookup(a, ["vllm"]) == {"vllm": {"any": 13, GPU: 13}}
+    assert index.lookup(b, ["vllm"]) == {"vllm": {"any": 16, GPU: 16}}
+    for h in reversed(VLLM_B):
+        assert index.remove("vllm", [h], GPU) == 2
+    assert index.pod_counts("vllm") == {GPU: 12} and index.stats().entries == 12
+    assert index.lookup(a, ["vllm"]) == {"vllm": {"any": 12, GPU: 12}}
+    assert index.lookup(b, ["vllm"]) == {"vllm": {"any": 12, GPU: 12}}
+
+
+def test_vllm_event_sequence_holds_the_distinct_index_blocks_of_its_engine_blocks() -> None:
+    # The whole recorded sequence, checked after every batch against the index blocks recomputed from
+    # each engine block's full token chain: the re-store under a known hash (seq 3) adds nothing, the
+    # decode-phase batches (seq 6, 7) chain from their parents, and the two engine blocks that share an
+    # index block with one of A's (seq 1: index block 12; seq 5: C's block 4, index block 8) count once.
+    index = BlockIndex(BS)
+    chains = vllm_chains()
+    live: dict[int, None] = {}
+    progress = []
+    for event in VLLM_EVENTS:
+        vllm_store(index, event)
+        live.update(dict.fromkeys(event[1]))
+        held: set[int] = set()
+        for h in live:
+            keys = block_keys(chains[h], BS, VLLM_ROOT)
+            held.update(keys[-VLLM_EBS // BS :].tolist())  # the index blocks this engine block completes
+            assert index.lookup(keys, ["vllm"]) == {"vllm": {"any": len(keys), GPU: len(keys)}}
+        assert index.pod_counts("vllm") == {GPU: len(held)} and index.stats().entries == len(held)
+        progress.append((len(live), len(held)))
+    assert progress == [(9, 18), (11, 21), (12, 23), (12, 23), (13, 25), (18, 34), (19, 36), (20, 38)]
+
+
 def test_sglang_partial_pages() -> None:
     index = BlockIndex(BS)
     parent = None

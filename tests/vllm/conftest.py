@@ -166,6 +166,32 @@ class EventRecorder:
         with self._lock:
             return list(self.batches), len(self.blocks)
 
+    def distinct_index_blocks(self, index_block_size: int, root: int) -> int:
+        """How many distinct index blocks the engine's live blocks make up. Two live engine blocks that
+        start with the same tokens after the same prefix complete the same index block, so this can be
+        less than (engine blocks x engine/index size): the index keeps such a block once."""
+        from epp.kvindex.keys import block_keys
+
+        with self._lock:
+            live = dict(self.blocks)
+        info: dict[int, tuple[int | None, list[int]]] = {}
+        for st in {id(s): s for s in live.values()}.values():
+            parent = st.parent
+            for j, h in enumerate(st.hashes):
+                info[h] = (parent, st.token_ids[j * st.block_size : (j + 1) * st.block_size])
+                parent = h
+        keys: set[int] = set()
+        per_engine_block = ENGINE_BLOCK_SIZE // index_block_size
+        for h in live:
+            chain: list[list[int]] = []
+            x: int | None = h
+            while x is not None:
+                x, toks = info[x][0], info[x][1]
+                chain.append(toks)
+            tokens = [t for c in reversed(chain) for t in c]
+            keys.update(int(k) for k in block_keys(tokens, index_block_size, root)[-per_engine_block:])
+        return len(keys)
+
     def stored_events(self, since: int = 0) -> list[Stored]:
         with self._lock:
             return [
