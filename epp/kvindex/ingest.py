@@ -109,6 +109,7 @@ class KvIngest:
         self._publishers: dict[tuple[str, int], _Publisher] = {}
         self.counters: dict[str, PodCounters] = {}
         self.last_seq: dict[str, int] = {}
+        self._roots: dict[tuple[str, str | None], int] = {}
 
     def _counters(self, pod: str) -> PodCounters:
         c = self.counters.get(pod)
@@ -277,7 +278,12 @@ class KvIngest:
                     continue
                 if ev.tier not in KNOWN_TIERS:
                     c.unknown_tiers[ev.tier] += 1
-                root = root_key(model, salt_of(ev.extra_keys, ev.cache_salt))
+                salt = salt_of(ev.extra_keys, ev.cache_salt) if ev.extra_keys or ev.cache_salt else None
+                root = self._roots.get((model, salt))
+                if root is None:
+                    if len(self._roots) > 4096:  # tenants come and go: keep the cache bounded
+                        self._roots.clear()
+                    root = self._roots[(model, salt)] = root_key(model, salt)
                 outcome = index.store(
                     pod, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.tier, root
                 )
