@@ -21,6 +21,13 @@ import time
 import msgspec
 
 from epp.kvindex.events import decode_batch
+from epp.testing.kv_publisher import (
+    ArrayBlockRemoved,
+    ArrayBlockStored,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 
 STORED_PER_BATCH = 8
 BLOCKS_PER_STORED = 16
@@ -30,62 +37,6 @@ BLOCK_EVENTS_PER_BATCH = STORED_PER_BATCH * BLOCKS_PER_STORED + REMOVED_PER_BATC
 FORMS = ("map", "array")
 
 
-# Shaped like vLLM's own classes (vllm/distributed/kv_events.py, 0.22 / 0.33): events are
-# tagged structs with omit_defaults; the batch is always an array.
-class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class _MapStored(_MapEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[object, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _MapRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class _ArrEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class _ArrStored(_ArrEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[object, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _ArrRemoved(_ArrEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[object]
-    data_parallel_rank: int | None = None
-
-
 def make_batches(n_batches: int, form: str, seed: int) -> list[bytes]:
     """`n_batches` msgpack payloads as vLLM publishes them; form is "map" or "array".
 
@@ -93,7 +44,7 @@ def make_batches(n_batches: int, form: str, seed: int) -> list[bytes]:
     hashes, medium GPU, extra_keys one nil per block, group 0) then 4 BlockRemoved."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    stored, removed = (_MapStored, _MapRemoved) if form == "map" else (_ArrStored, _ArrRemoved)
+    stored, removed = (BlockStored, BlockRemoved) if form == "map" else (ArrayBlockStored, ArrayBlockRemoved)
     rng = random.Random(seed)
     encoder = msgspec.msgpack.Encoder()
     out: list[bytes] = []
@@ -119,7 +70,9 @@ def make_batches(n_batches: int, form: str, seed: int) -> list[bytes]:
             parent = None if rng.random() < 0.25 else hashes[-1]
         for _ in range(REMOVED_PER_BATCH):
             events.append(removed(block_hashes=[rng.getrandbits(64)], medium="GPU", group_idx=0))
-        out.append(encoder.encode(_Batch(ts=1_767_225_600.0 + n * 0.01, events=events, data_parallel_rank=0)))
+        out.append(
+            encoder.encode(EventBatch(ts=1_767_225_600.0 + n * 0.01, events=events, data_parallel_rank=0))
+        )
     return out
 
 

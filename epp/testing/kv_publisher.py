@@ -35,11 +35,15 @@ class BlockStored(_MapEvent):
     medium: str | None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(_MapEvent):
     block_hashes: list[int | bytes]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(_MapEvent):
@@ -58,11 +62,16 @@ class ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None
+    group_idx: int | None = None
 
 
 class ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
