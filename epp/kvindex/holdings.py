@@ -1,6 +1,6 @@
 """The numpy state of the block index: engine blocks, their keys, and who holds which key where. Pure.
 
-Four tables (`table.HashTable`), all batched:
+Five tables (`table.HashTable`), all batched:
 
 - `records`: (engine hash, pod) -> one engine block of one pod: the chain `state` after its last token,
   and `info` = tokens past the last index boundary (bits 0-7) | index keys it completes (bits 8-19) |
@@ -16,9 +16,13 @@ Four tables (`table.HashTable`), all batched:
 - `multi`: (key, pod | tier << 16) -> owners beyond the first, for the few entries that several units
   of a pod own (engine blocks larger than index blocks whose contents diverge after a shared start).
   A pod's bit stays set while any owner is left.
+- `copies`: (engine hash, pod | tier << 16) -> copies of a unit beyond the first, for the few units the
+  engine holds more than one physical copy of (vLLM stores a recomputed block again under its hash).
+  Each BlockStored of a live unit adds one, each BlockRemoved takes one; the unit goes with its last.
 
-The caller guarantees batch semantics (see `index.py`): units given to `remove_units` are live, and a
-batch given to `add` does not involve a record that has a removal pending.
+The caller guarantees batch semantics (see `index.py`): units given to `remove_units` are live, copies
+given to `remove_copies` are held, and a batch given to `add` does not involve a record that has a
+removal pending.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Holdings:
         self.extra = HashTable(np.uint32, {"key": (np.uint64, 0)})
         self.blocks = HashTable(np.uint16, {})  # + a mask column per tier
         self.multi = HashTable(np.uint32, {"n": (np.uint32, 0)})
+        self.copies = HashTable(np.uint32, {"n": (np.uint32, 0)})
         self.ntiers = 0
         self.counts = np.zeros((16, MAX_TIERS), dtype=np.int64)  # entries per (pod, tier)
         self.units = np.zeros(16, dtype=np.int64)  # units per pod
@@ -100,7 +105,8 @@ class Holdings:
             self.counts = np.concatenate([self.counts, extra_rows])
 
     def nbytes(self) -> int:
-        return self.records.nbytes() + self.extra.nbytes() + self.blocks.nbytes() + self.multi.nbytes()
+        tables = (self.records, self.extra, self.blocks, self.multi, self.copies)
+        return sum(t.nbytes() for t in tables)
 
     # -- scalar reads (store / remove bookkeeping) -------------------------------------
     def find_record(self, pid: int, ehash: int) -> int:
@@ -116,6 +122,11 @@ class Holdings:
 
     def record_state(self, slot: int) -> int:
         return int(self.records.cols["state"][slot])
+
+    def extra_copies(self, pid: int, ehash: int, tid: int) -> int:
+        """Copies of the unit (pod, engine hash, tier) beyond the first (0 when none, or not held)."""
+        at = self.copies.find_one(ehash & MASK64, pid | tid << 16)
+        return 0 if at < 0 else int(self.copies.cols["n"][at])
 
     # -- add -----------------------------------------------------------------------------
     def add(self, b: Batch) -> None:
@@ -168,14 +179,19 @@ class Holdings:
         self.stamp += nblocks
         tiers = b.tid[ev]
         info_col = self.records.cols["info"]
+        times: Index | None = None  # stores of each unit in the batch, when some has several
         if b.dups:  # a (pod, engine hash) queued twice: one unit per (record, tier), its latest stamp
             uid = (slots * MAX_TIERS + tiers).astype(np.uint64)
             order = np.sort((uid << _U(32)) | stamps.astype(np.uint64))
             last = np.r_[(order[1:] >> _U(32)) != (order[:-1] >> _U(32)), True]
+            times = np.diff(np.r_[-1, np.flatnonzero(last)])
             uid, stamps = order[last] >> _U(32), (order[last] & _U(0xFFFFFFFF)).astype(np.uint32)
             slots, tiers = (uid // MAX_TIERS).astype(np.intp), (uid % MAX_TIERS).astype(np.intp)
         shift = (tiers + TIER_SHIFT).astype(np.uint32)
         was = (info_col[slots] >> shift) & 1
+        more = was.astype(np.intp) if times is None else times - 1 + was  # copies added to held ones
+        if more.any():
+            self._add_copies(slots, tiers, more)
         for t in b.tiers:
             col = self.records.cols[f"s{t}"]
             if len(b.tiers) == 1:
@@ -191,6 +207,14 @@ class Holdings:
         fresh = was == 0
         if fresh.any():
             self._link(slots[fresh], tiers[fresh])
+
+    def _add_copies(self, slots: Index, tiers: Index, more: Index) -> None:
+        """Count `more` copies (beyond the first) of the units (slots, tiers); units are distinct."""
+        u = np.flatnonzero(more)
+        slots, tiers = slots[u], tiers[u]
+        tags = (self.records.tags[slots].astype(np.intp) | (tiers << 16)).astype(np.uint32)
+        at, _ = self.copies.upsert(self.records.keys[slots], tags, {})
+        self.copies.cols["n"][at] += more[u].astype(np.uint32)
 
     def _add_extra(
         self,
@@ -305,11 +329,34 @@ class Holdings:
         return created
 
     # -- remove ------------------------------------------------------------------------
+    def remove_copies(self, slots: Index, tiers: Index) -> int:
+        """Remove one copy per (record slot, tier) pair (a pair may repeat: as many copies as it is named);
+        a unit whose last copy goes is removed. Returns the entries removed."""
+        if slots.size == 0 or self.copies.size == 0:  # every unit has one copy: the pairs are distinct
+            return self.remove_units(slots, tiers)
+        uid, k = np.unique(slots * MAX_TIERS + tiers, return_counts=True)
+        slots, tiers = uid // MAX_TIERS, uid % MAX_TIERS
+        tags = (self.records.tags[slots].astype(np.intp) | (tiers << 16)).astype(np.uint32)
+        at = self.copies.find(self.records.keys[slots], tags)
+        spare = np.zeros(len(slots), dtype=np.int64)
+        has = at >= 0
+        spare[has] = self.copies.cols["n"][at[has]]
+        left = spare - k  # copies beyond the first left; < 0: the unit goes
+        keep = has & (left >= 0)
+        self.copies.cols["n"][at[keep]] = left[keep].astype(np.uint32)
+        self.copies.delete(at[keep & (left == 0)])
+        gone = left < 0
+        return self.remove_units(slots[gone], tiers[gone])
+
     def remove_units(self, slots: Index, tiers: Index) -> int:
-        """Remove live units (distinct (record slot, tier) pairs); returns the entries removed (an entry
-        that another unit of the pod still owns stays)."""
+        """Remove live units (distinct (record slot, tier) pairs) with all their copies; returns the
+        entries removed (an entry that another unit of the pod still owns stays)."""
         if slots.size == 0:
             return 0
+        if self.copies.size:
+            tags = (self.records.tags[slots].astype(np.intp) | (tiers << 16)).astype(np.uint32)
+            at = self.copies.find(self.records.keys[slots], tags)
+            self.copies.delete(at[at >= 0])
         self._account(slots, tiers, -1)
         who, keys = self.owned(slots)
         removed = 0

@@ -15,11 +15,15 @@ it completes (for removals); one that completes none (a short page) still carrie
 Entries. An entry is (key, pod, tier): the pod holds that index block on that tier. A BlockStored on
 tier T makes the *units* (engine block, T) live, and each unit owns the index keys its engine block
 completes; an entry exists while at least one unit of the pod owns it (two engine blocks of 64 tokens
-that share their first 40 tokens complete the same first two index blocks). A BlockRemoved on T removes
-that tier of those engine blocks only, and returns the keys they released (what they owned; an entry
-that another engine block still owns stays). A removal of a hash the pod never stored is a no-op. An
-engine hash is taken to name its content: storing a known (pod, engine hash) again refreshes it (adds
-the tier, renews its recency) and keeps the keys first computed for it.
+that share their first 40 tokens complete the same first two index blocks). An engine hash is taken to
+name its content (the keys first computed for it are kept), but an engine may hold several physical
+copies of one block under its hash (vLLM recomputes the last block of a repeated block-aligned prompt
+and stores it again; each copy is evicted with its own BlockRemoved). So a unit counts its copies: each
+BlockStored of (pod, engine hash) on T adds one (and renews the unit's recency), each BlockRemoved of
+it on T takes one, and the unit stays live, owning its keys, until its last copy goes. A BlockRemoved
+returns the keys the units it ended released (what they owned; an entry that another engine block
+still owns stays; 0 when a copy is left). A removal of a hash the pod does not hold on T is a no-op.
+AllBlocksCleared (`clear_pod`) and eviction by the memory bound drop a unit with all its copies.
 
 Orphans. A BlockStored whose parent hash is unknown for the pod (an earlier event was lost) is not
 indexed: its keys cannot be known, and guessing (e.g. chaining from the root) would index blocks under
@@ -35,7 +39,8 @@ for an engine block that completes none, such as a short page), an upper bound o
 store pushes it over `max_entries`, the least recently stored units are evicted (every stored unit gets
 its own stamp, so there are no ties; within one event the deeper blocks are older, so a chain loses its
 tail first), until `evict_headroom` is free: eviction then runs once per so many stores. Evicting a unit
-forgets its chain state once no tier holds it, so later children of that block are orphans.
+forgets its chain state once no tier holds it, so later children of that block are orphans. Extra copies
+of a unit count nothing (they add no entry; a sparse side table counts them).
 
 Batching. `store` and `remove` do their bookkeeping in Python (is the parent known? how many entries?)
 and queue the numpy work, which runs in batches (`flush`): when the queue holds 4,096 blocks or 64K
@@ -147,6 +152,7 @@ class BlockIndex:
         self._q_dups = False  # some (pod, engine hash) is queued twice
         self._r_units: list[tuple[int, int, int]] = []  # queued removals: (pod, engine hash, tier)
         self._r_left: dict[int, dict[int, int]] = {}  # pod -> engine hash -> tiers left after them
+        self._r_spent: dict[tuple[int, int, int], int] = {}  # unit -> queued removals of its extra copies
 
     # -- events ----------------------------------------------------------------------------
     def store(
@@ -251,8 +257,9 @@ class BlockIndex:
         return _STORED[k] if k < len(_STORED) else StoreOutcome(k, False)
 
     def remove(self, pod: str, engine_hashes: Sequence[int], tier: str) -> int:
-        """BlockRemoved: drop `tier` of these engine blocks of `pod`. Returns the entries they released:
-        the index blocks they completed, held on that tier (one still completed by another engine block
+        """BlockRemoved: drop one copy of `tier` of these engine blocks of `pod` (the tier of an engine
+        block goes with its last copy). Returns the entries they released: the index blocks completed by
+        the engine blocks whose tier went, held on that tier (one still completed by another engine block
         of the pod stays held; `stats().entries` is exact)."""
         pid = self._pod_ids.get(pod)
         tid = self._tier_ids.get(tier)
@@ -270,6 +277,7 @@ class BlockIndex:
         bit = 1 << tid
         removed = 0
         h_info = self._h.record_info_of
+        copies = self._h.copies
         for h in engine_hashes:
             if unknown:
                 unknown.pop(h, None)
@@ -278,9 +286,16 @@ class BlockIndex:
                 continue
             tiers = left.get(h, info >> TIER_SHIFT)
             if tiers & bit:
+                self._r_units.append((pid, h, tid))
+                if copies.size:  # the unit may hold further copies: then only one of them goes
+                    unit = (pid, h, tid)
+                    spent = self._r_spent.get(unit, 0)
+                    if self._h.extra_copies(pid, h, tid) > spent:
+                        self._r_spent[unit] = spent + 1
+                        left[h] = tiers  # (a store of h flushes first)
+                        continue
                 left[h] = tiers & ~bit
                 removed += (info >> 8) & MAX_KEYS_PER_RECORD
-                self._r_units.append((pid, h, tid))
         if len(self._r_units) >= _FLUSH_BLOCKS:
             self._flush()
         return removed
@@ -457,7 +472,7 @@ class BlockIndex:
         if self._r_units:
             pods, hashes, tiers = zip(*self._r_units, strict=True)
             slots = h.records.find(_u64(hashes), np.array(pods, dtype=np.uint16))
-            h.remove_units(slots, np.array(tiers, dtype=np.intp))
+            h.remove_copies(slots, np.array(tiers, dtype=np.intp))
         if self._q_blocks:
             tokens = self._q_tokens
             if all(isinstance(t, np.ndarray) for t in tokens):

@@ -30,6 +30,7 @@ class RefRecord:
     npend: int
     keys: list[int]
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> stamp
+    copies: dict[str, int] = field(default_factory=dict)  # tier -> physical copies held there
 
 
 class ReferenceIndex:
@@ -100,6 +101,7 @@ class ReferenceIndex:
             if rec is None:
                 rec = self.records[(pod, h)] = RefRecord(state, npend, keys)
             rec.tiers[tier] = self.stamp + n - 1 - j
+            rec.copies[tier] = rec.copies.get(tier, 0) + 1
         self.stamp += n
         if self.used() > self.max_entries:
             self.evict(self.used() - max(0, self.max_entries - self.headroom))
@@ -121,20 +123,26 @@ class ReferenceIndex:
         self.evicted += before - self.entries()
 
     def _drop(self, pod: str, h: int, tier: str) -> int:
+        """The unit goes, with all its copies."""
         rec = self.records[(pod, h)]
         del rec.tiers[tier]
+        del rec.copies[tier]
         if not rec.tiers:
             del self.records[(pod, h)]
         return len(rec.keys)
 
     def remove(self, pod: str, hashes: Sequence[int], tier: str) -> int:
-        """Returns the keys the removed engine blocks owned on the tier (released ownerships)."""
+        """One copy per hash; returns the keys owned on the tier by the engine blocks whose last copy there
+        went (released ownerships)."""
         removed = 0
         for h in hashes:
             self.unknown.get(pod, {}).pop(h, None)
             rec = self.records.get((pod, h))
             if rec is not None and tier in rec.tiers:
-                removed += self._drop(pod, h, tier)
+                if rec.copies[tier] > 1:
+                    rec.copies[tier] -= 1
+                else:
+                    removed += self._drop(pod, h, tier)
         return removed
 
     def clear_pod(self, pod: str) -> int:
@@ -295,6 +303,76 @@ CASES = [
         {GPU: 16},
     ),
     ("clear", [("store", 0, 16, GPU), ("clear",)], {}, {}),
+    # duplicate physical copies under one engine hash (vLLM re-stores a recomputed last block)
+    (
+        "two copies, one removed",
+        [("store", 0, 16, GPU), ("store", 15, 16, GPU), ("remove", 15, 16, GPU)],
+        {"any": 16, GPU: 16},
+        {GPU: 16},
+    ),
+    (
+        "two copies, both removed",
+        [("store", 0, 16, GPU), ("store", 15, 16, GPU), ("remove", 15, 16, GPU), ("remove", 15, 16, GPU)],
+        {"any": 15, GPU: 15},
+        {GPU: 15},
+    ),
+    (
+        "removed once more than stored",
+        [("store", 0, 16, GPU), ("store", 15, 16, GPU)] + [("remove", 15, 16, GPU)] * 3,
+        {"any": 15, GPU: 15},
+        {GPU: 15},
+    ),
+    (
+        "three copies, two removed",
+        [("store", 0, 16, GPU), ("store", 0, 16, GPU), ("store", 0, 16, GPU)] + [("remove", 0, 16, GPU)] * 2,
+        {"any": 16, GPU: 16},
+        {GPU: 16},
+    ),
+    (
+        "copies per tier: gpu twice, cpu once, gpu removed once",
+        [("store", 0, 16, GPU), ("store", 15, 16, GPU), ("store", 0, 16, CPU), ("remove", 15, 16, GPU)],
+        {"any": 16, GPU: 16, CPU: 16},
+        {GPU: 16, CPU: 16},
+    ),
+    (
+        "copies per tier: gpu twice, cpu once, gpu removed twice",
+        [("store", 0, 16, GPU), ("store", 15, 16, GPU), ("store", 0, 16, CPU)]
+        + [("remove", 15, 16, GPU)] * 2,
+        {"any": 16, GPU: 15, CPU: 16},
+        {GPU: 15, CPU: 16},
+    ),
+    (
+        "copies per tier: gpu twice, cpu once, cpu removed once",
+        [("store", 0, 16, GPU), ("store", 15, 16, GPU), ("store", 0, 16, CPU), ("remove", 15, 16, CPU)],
+        {"any": 16, GPU: 16, CPU: 15},
+        {GPU: 16, CPU: 15},
+    ),
+    (
+        "clear drops all copies",
+        [("store", 0, 16, GPU), ("store", 0, 16, GPU), ("store", 15, 16, CPU), ("clear",)],
+        {},
+        {},
+    ),
+    (
+        "after clear, copies count afresh",
+        [
+            ("store", 0, 16, GPU),
+            ("store", 15, 16, GPU),
+            ("clear",),
+            ("store", 0, 16, GPU),
+            ("remove", 15, 16, GPU),
+        ],
+        {"any": 15, GPU: 15},
+        {GPU: 15},
+    ),
+    (
+        "after the last copy went, copies count afresh",
+        [("store", 0, 16, GPU), ("store", 15, 16, GPU)]
+        + [("remove", 15, 16, GPU)] * 2
+        + [("store", 15, 16, GPU), ("remove", 15, 16, GPU)],
+        {"any": 15, GPU: 15},
+        {GPU: 15},
+    ),
     (
         "clear and store",
         [("store", 0, 16, GPU), ("clear",), ("store", 0, 2, DISK)],
@@ -355,6 +433,70 @@ def test_remove_of_a_queued_block_and_store_after_remove_keep_their_order() -> N
     assert index.remove("p", evs[2][0], GPU) == 4
     index.store("p", *evs[2][:1], evs[2][1], evs[2][2], BS, GPU, ROOT)  # removal queued, then re-store
     assert index.lookup(KEYS, ["p"]) == {"p": {"any": 12, GPU: 12}}
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_each_copy_under_one_engine_hash_needs_its_own_removal(flush: bool) -> None:
+    # vLLM stores a recomputed block again under its hash (a second physical copy) and later evicts each
+    # copy with its own BlockRemoved: the engine block stays held until the last one.
+    index = BlockIndex(BS)
+    evs = events_for(TOKENS, 64, 1)  # 4 engine blocks of 4 index blocks
+    last, parent, toks = evs[-1]
+
+    def step() -> None:
+        if flush:
+            index.flush()
+
+    store_all(index, "p", TOKENS, 64, per_event=1)
+    step()
+    assert index.store("p", last, parent, toks, 64, GPU, ROOT) == StoreOutcome(4, False)  # copy 2
+    step()
+    assert index.stats().entries == 16 and index.stats().engine_blocks == 4
+    assert index.remove("p", last, GPU) == 0  # copy 1 of 2: nothing released
+    step()
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 16, GPU: 16}}
+    assert index.stats().entries == 16
+    assert index.store("p", last, parent, toks, 64, GPU, ROOT).stored == 4  # back to 2 copies
+    step()
+    assert index.remove("p", last, GPU) == 0
+    step()
+    assert index.remove("p", last, GPU) == 4  # the last copy
+    step()
+    assert index.remove("p", last, GPU) == 0  # no copy left: a no-op
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 12, GPU: 12}}
+    assert index.stats().entries == 12 and index.stats().engine_blocks == 3
+    assert index._h.copies.size == 0
+
+
+def test_copies_stored_in_one_batch_and_removed_in_one_call() -> None:
+    index = BlockIndex(BS)
+    evs = events_for(TOKENS, BS, 4)
+    for hs, parent, toks in [*evs, evs[-1], evs[-1], evs[-2]]:  # queued together: the last event 3 times
+        index.store("p", hs, parent, toks, BS, GPU, ROOT)
+    assert index.remove("p", [*evs[-1][0], *evs[-1][0]], GPU) == 0  # 2 of 3 copies
+    assert index.remove("p", evs[-2][0], GPU) == 0  # 1 of 2
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 16, GPU: 16}}
+    assert index.remove("p", [*evs[-1][0], *evs[-2][0], *evs[-1][0]], GPU) == 8  # both last copies
+    assert index.lookup(KEYS, ["p"]) == {"p": {"any": 8, GPU: 8}}
+    assert index._h.copies.size == 0
+
+
+def test_eviction_drops_every_copy_of_a_unit() -> None:
+    index = BlockIndex(BS, max_entries=4, evict_headroom=0)
+    a, b = list(range(32)), list(range(100, 164))
+    ka = block_keys(a, BS, ROOT)
+    (a0, _, t0), (a1, p1, t1) = events_for(a, BS, 1)
+    store_all(index, "p", a, BS, per_event=1)
+    index.store("p", a1, p1, t1, BS, GPU, ROOT)  # a second copy of a1, the newest unit
+    store_all(index, "p", b, BS, per_event=1)  # 6 > 4: a0 and a1 (both copies) go
+    assert index.lookup(ka, ["p"]) == {"p": {"any": 0}}
+    assert index.stats().evicted == 2 and index._h.copies.size == 0
+    assert index.remove("p", a1, GPU) == 0
+    index.store("p", a0, None, t0, BS, GPU, ROOT)  # one copy each now (b's oldest block goes)
+    index.store("p", a1, p1, t1, BS, GPU, ROOT)
+    assert index.lookup(ka, ["p"]) == {"p": {"any": 2, GPU: 2}}
+    assert index.remove("p", a1, GPU) == 1
+    assert index.lookup(ka, ["p"]) == {"p": {"any": 1, GPU: 1}}
 
 
 def test_parent_removed_from_every_tier_makes_children_orphans() -> None:
@@ -592,6 +734,15 @@ def test_vllm_event_sequence_holds_the_distinct_index_blocks_of_its_engine_block
         assert index.pod_counts("vllm") == {GPU: len(held)} and index.stats().entries == len(held)
         progress.append((len(live), len(held)))
     assert progress == [(9, 18), (11, 21), (12, 23), (12, 23), (13, 25), (18, 34), (19, 36), (20, 38)]
+    # seq 3 stored a second physical copy of A's block 7: vLLM evicts each copy with its own BlockRemoved,
+    # and serves prefix hits from the other one meanwhile
+    a = block_keys(chains[VLLM_A[-1]], BS, VLLM_ROOT)
+    assert index.remove("vllm", [VLLM_A[7]], GPU) == 0
+    assert index.lookup(a, ["vllm"]) == {"vllm": {"any": 18, GPU: 18}}
+    assert index.stats().entries == 38
+    assert index.remove("vllm", [VLLM_A[7]], GPU) == 2  # index blocks 14, 15
+    assert index.lookup(a, ["vllm"]) == {"vllm": {"any": 14, GPU: 14}}
+    assert index.stats().entries == 36
 
 
 def test_sglang_partial_pages() -> None:
@@ -787,6 +938,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.ref = ReferenceIndex(BS, self.max_entries, self.headroom, max_unknown=8)
         # every hash an engine sent, with the tokens from the root to its end and its root
         self.seqs: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+        # the indexed events (pod, hashes, parent, tokens, root), to send again: more physical copies
+        self.sent: list[tuple[str, list[int], int | None, list[int], int]] = []
 
     def _both(self, method: str, *args: object) -> object:
         got = getattr(self.index, method)(*args)
@@ -826,16 +979,33 @@ class IndexMachine(RuleBasedStateMachine):
         out = self._both("store", pod, hashes, parent, tokens, ebs, tier, root)
         assert isinstance(out, StoreOutcome)
         if not out.orphan:
+            self.sent.append((pod, hashes, parent, tokens, root))
             seq = prefix
             for i, h in enumerate(hashes):
                 seq = prefix + tuple(tokens[: (i + 1) * ebs])
                 self.seqs[(pod, h)] = (seq, root)
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data(), tier=st.sampled_from(TIERS))
+    def store_again(self, data: st.DataObject, tier: str) -> None:
+        """An engine storing blocks it already holds: another physical copy of each (or, if its parent
+        went meanwhile, an orphan)."""
+        pod, hashes, parent, tokens, root = data.draw(st.sampled_from(self.sent))
+        self._both("store", pod, hashes, parent, tokens, POD_EBS[pod], tier, root)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), tier=st.sampled_from(TIERS))
     def remove(self, data: st.DataObject, tier: str) -> None:
         pod, h = data.draw(st.sampled_from(sorted(self.seqs)))
         self._both("remove", pod, [h], tier)
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data(), tier=st.sampled_from(TIERS))
+    def remove_event(self, data: st.DataObject, tier: str) -> None:
+        """A BlockRemoved naming several blocks, some of them possibly twice (two copies)."""
+        pod, hashes, _, _, _ = data.draw(st.sampled_from(self.sent))
+        picked = data.draw(st.lists(st.sampled_from(hashes), min_size=1, max_size=2 * len(hashes)))
+        self._both("remove", pod, picked, tier)
 
     @rule(pod=st.sampled_from(PODS), h=st.integers(0, 2**64 - 1), tier=st.sampled_from(TIERS))
     def remove_unknown(self, pod: str, h: int, tier: str) -> None:
