@@ -82,7 +82,10 @@ class KvEventSubscriber:
         self.settings = settings
         self.wall = wall
         self.ctx = zmq.asyncio.Context()
-        self._streams: dict[tuple[str, int], tuple[zmq.asyncio.Socket, list[asyncio.Task[None]]]] = {}
+        # (pod, rank) -> (SUB socket, its monitor socket, their tasks)
+        self._streams: dict[
+            tuple[str, int], tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, list[asyncio.Task[None]]]
+        ] = {}
         self._replays: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._central: zmq.asyncio.Socket | None = None
@@ -105,14 +108,15 @@ class KvEventSubscriber:
 
     async def stop(self) -> None:
         tasks = list(self._tasks) + list(self._replays.values())
-        for _, (_, ts) in self._streams.items():
+        for _, _, ts in self._streams.values():
             tasks.extend(ts)
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for sock, _ in self._streams.values():
+        for sock, monitor, _ in self._streams.values():
+            monitor.close(linger=0)
             sock.close(linger=0)
         self._streams.clear()
         self._replays.clear()
@@ -120,7 +124,7 @@ class KvEventSubscriber:
         if self._central is not None:
             self._central.close(linger=0)
             self._central = None
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes any socket still open (e.g. a monitor whose task never ran)
 
     def _sub_socket(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.SUB)
@@ -161,15 +165,16 @@ class KvEventSubscriber:
             asyncio.create_task(self._recv_loop(sock, pod, rank), name=f"kv-{pod}-{rank}"),
             asyncio.create_task(self._monitor_loop(monitor, pod, rank), name=f"kv-mon-{pod}-{rank}"),
         ]
-        self._streams[(pod, rank)] = (sock, tasks)
+        self._streams[(pod, rank)] = (sock, monitor, tasks)
 
     def _drop_pod(self, pod: str) -> None:
         for key in [k for k in self._streams if k[0] == pod]:
-            sock, tasks = self._streams.pop(key)
+            sock, monitor, tasks = self._streams.pop(key)
             for t in tasks:
                 t.cancel()
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
         for key in [k for k in self._replays if k[0] == pod]:
             self._replays.pop(key).cancel()

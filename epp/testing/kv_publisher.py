@@ -174,7 +174,7 @@ class KvEventPublisher:
         self.pub.close(linger=0)
         if self.router is not None:
             self.router.close(linger=0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
     async def __aenter__(self) -> KvEventPublisher:
         return await self.start()
