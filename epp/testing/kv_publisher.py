@@ -22,11 +22,9 @@ import zmq.asyncio
 END = 0xFFFFFFFFFFFFFFFF
 
 
-class _MapEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
+class _StoredFields(msgspec.Struct, gc=False):
+    """vLLM's BlockStored fields, in its order (0.22+: the hybrid-model fields at the end)."""
 
-
-class BlockStored(_MapEvent):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
@@ -40,41 +38,35 @@ class BlockStored(_MapEvent):
     kv_cache_spec_sliding_window: int | None = None
 
 
-class BlockRemoved(_MapEvent):
+class _RemovedFields(msgspec.Struct, gc=False):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
 
 
-class AllBlocksCleared(_MapEvent):
+# Map-encoded (vLLM 0.24+): {"type": "BlockStored", ...}, defaulted fields left out.
+class BlockStored(_StoredFields, tag=True, omit_defaults=True):
     pass
 
 
-class _ArrayEvent(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+class BlockRemoved(_RemovedFields, tag=True, omit_defaults=True):
     pass
 
 
-class ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+    pass
 
 
-class ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
+# Array-encoded (vLLM 0.9-0.23): ["BlockStored", ...].
+class ArrayBlockStored(_StoredFields, tag="BlockStored", array_like=True, omit_defaults=True):
+    pass
 
 
-class ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+class ArrayBlockRemoved(_RemovedFields, tag="BlockRemoved", array_like=True, omit_defaults=True):
+    pass
+
+
+class ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
     pass
 
 
