@@ -130,6 +130,7 @@ class KvEventSubscriber:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # pods may have IPv6 addresses ([addr]:port)
         for topic in self.settings.topic_filters:
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         return sock
@@ -294,6 +295,7 @@ class KvEventSubscriber:
     async def _replay_once(self, url: str, need: NeedReplay, start: int) -> tuple[bool, int]:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
         sock.connect(url)
         timeout_ms = int(self.settings.replay_timeout * 1000)
         next_seq = start

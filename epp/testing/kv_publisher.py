@@ -136,6 +136,7 @@ class KvEventPublisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 1_000_000)
+        self.pub.setsockopt(zmq.IPV6, 1)
         self.router: zmq.asyncio.Socket | None = None
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
@@ -153,6 +154,7 @@ class KvEventPublisher:
         if self.replay_endpoint is not None:
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
+            self.router.setsockopt(zmq.IPV6, 1)
             self.router.bind(self.replay_endpoint)
             self.replay_port = int(self.router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             self._task = asyncio.create_task(self._serve_replay())

@@ -236,3 +236,24 @@ async def test_both_replay_reply_layouts(old_replay: bool) -> None:
         await a.publish([stored([1], None, tokens(1))], send=False)
         await a.publish([stored([2], 1, tokens(1, 16))])
         await eventually(lambda: r.blocks(POD_A) == 2, "replayed")
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+async def test_ipv6_pods() -> None:
+    port = free_port()
+    pod = "[::1]:8000"
+    async with KvEventPublisher(f"tcp://[::1]:{port}") as a, rig(per_pod(port), (pod,)) as r:
+        await joined(r, a, pod)
+        await a.publish([stored([1, 2], None, tokens(2))])
+        await eventually(lambda: r.index.pod_counts(pod).get("gpu", 0) == 2, "IPv6 pod indexed")
