@@ -35,7 +35,7 @@ from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
 from epp.sources.kv_events import KvEventSubscriber
-from epp.testing.envoy import free_port
+from epp.testing.envoy import die_with_parent, free_port
 
 
 def publisher(endpoint: str, form: str, batches: int, go_file: str) -> None:
@@ -85,7 +85,8 @@ async def ingest_run(form: str, batches: int, host: str) -> tuple[float, float, 
             str(batches),
             "--go-file",
             str(go),
-        ]
+        ],
+        preexec_fn=die_with_parent,
     )
     await sub.start()
     try:

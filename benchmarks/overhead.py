@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
-from epp.testing.envoy import EnvoyConfig, EnvoyProcess, free_port
+from epp.testing.envoy import EnvoyConfig, EnvoyProcess, die_with_parent, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -135,6 +135,7 @@ async def main() -> None:
                     str(port_file),
                 ],
                 stdout=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
             )
         )
         addresses = (await wait_file(port_file)).split()
@@ -161,6 +162,7 @@ async def main() -> None:
                 "--log-level",
                 "warning",
             ],
+            preexec_fn=die_with_parent,
         )
         procs.append(epp)
         await wait_http(f"http://127.0.0.1:{metrics_port}/readyz")
@@ -174,6 +176,7 @@ async def main() -> None:
                 "--destination",
                 addresses[0],
             ],
+            preexec_fn=die_with_parent,
         )
         procs.append(trivial)
         envoys = {
