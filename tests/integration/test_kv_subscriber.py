@@ -96,8 +96,9 @@ async def test_per_pod_events_reach_the_index_and_pods_are_kept_apart() -> None:
         await eventually(lambda: r.blocks(POD_A) == 2, "removal applied")
         await b.publish([cleared()])
         await eventually(lambda: r.blocks(POD_B) == 0, "clear applied")
-        # The slow joiner missed the first batches and there is no replay: honest, not fresh.
-        assert r.state(POD_A) == (Freshness.DEGRADED, "joined_late")
+        # Without replay, a subscriber that missed the first batches (ZeroMQ's slow joiner) says so;
+        # one that caught seq 0 is fresh.
+        assert r.state(POD_A) in {(Freshness.FRESH, "ok"), (Freshness.DEGRADED, "joined_late")}
 
 
 async def test_a_gap_is_healed_by_replay_with_no_lost_block() -> None:
@@ -127,7 +128,7 @@ async def test_a_first_connection_replays_from_zero_even_from_an_idle_engine() -
             await eventually(lambda: r.blocks(POD_A) == 3, "replayed from 0 on connect")
             assert a.replay_requests >= 1
             assert r.ingest.counters[POD_A].orphans == 0
-            assert r.ingest.counters[POD_A].replays["complete"] == 1
+            await eventually(lambda: r.ingest.counters[POD_A].replays["complete"] == 1, "replay finished")
             assert r.state(POD_A)[0] is Freshness.FRESH
             await a.publish([stored([4], 3, tokens(1, 48))])  # live events continue the replayed stream
             await eventually(lambda: r.blocks(POD_A) == 4, "live after replay")
