@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -14,18 +13,9 @@ from epp.config import EppConfig, StaticEndpoint, default_config
 from epp.server.app import EppServer, ServerSettings
 from epp.testing.backend import FakeModelServer, start_backends, stop_backends
 from epp.testing.envoy import EnvoyConfig, EnvoyProcess
+from epp.testing.wait import eventually
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
-
-
-async def eventually(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll `check` every 10 ms until it holds; fail naming `what` after `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        await asyncio.sleep(0.01)
 
 
 @dataclass

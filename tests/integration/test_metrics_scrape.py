@@ -15,17 +15,9 @@ from aiohttp import web
 from epp.clock import MonotonicClock
 from epp.datastore import Datastore, EndpointRecord
 from epp.sources.metrics_scrape import MetricsScraper, endpoint_url
+from epp.testing.wait import eventually
 
 THRESHOLD = 3
-
-
-async def eventually(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for: {what}")
-        await asyncio.sleep(0.01)
 
 
 class FakeEngine:

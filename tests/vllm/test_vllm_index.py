@@ -36,6 +36,7 @@ import pytest
 from epp.config import IndexConfig, KvEventsConfig, StaticEndpoint, default_config
 from epp.kvindex.keys import block_keys, root_key
 from epp.server.app import EppServer, ServerSettings
+from epp.testing.wait import eventually as wait_until
 from epp.types import ApiKind, InferenceRequest
 from tests.vllm.conftest import ENGINE_BLOCK_SIZE, MODEL_NAME, VllmEngine
 
@@ -56,12 +57,7 @@ def text_of(tag: str, words: int) -> str:
 
 
 async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
-        await asyncio.sleep(0.02)
+    await wait_until(check, what, timeout, interval=0.02)
 
 
 def epp_server(engine: VllmEngine) -> EppServer:
