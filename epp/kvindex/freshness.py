@@ -111,13 +111,13 @@ class FreshnessTracker:
         if replaying:
             p.replaying = True
         else:
-            self._stale(p, "unrecovered_gap", now)
+            self._stale(p, "unrecovered_gap")
 
     def replay_done(self, pod: str, now: float, complete: bool) -> None:
         p = self._pod(pod)
         p.replaying = False
         if not complete:
-            self._stale(p, "unrecovered_gap", now)
+            self._stale(p, "unrecovered_gap")
 
     def restart(self, pod: str, now: float, recovered: bool) -> None:
         """The engine restarted; `recovered`: no event of the new run was missed (seq 0 seen, or replayed)."""
@@ -127,7 +127,7 @@ class FreshnessTracker:
             if p.stale_reason in ("unrecovered_gap", "restart_without_replay"):
                 p.stale_reason = None
         else:
-            self._stale(p, "restart_without_replay", now)
+            self._stale(p, "restart_without_replay")
 
     def joined_late(self, pod: str, now: float) -> None:
         self._pod(pod).joined_late_at = now
@@ -145,7 +145,7 @@ class FreshnessTracker:
         if p.misses_at_message is None:
             p.misses_at_message = misses  # baseline until the first event arrives
 
-    def _stale(self, p: _Pod, reason: str, now: float) -> None:
+    def _stale(self, p: _Pod, reason: str) -> None:
         p.stale_reason = reason
         p.clean_since = None
 

@@ -278,7 +278,7 @@ class KvIngest:
                     continue
                 if ev.tier not in KNOWN_TIERS:
                     c.unknown_tiers[ev.tier] += 1
-                salt = salt_of(ev.extra_keys, ev.cache_salt) if ev.extra_keys or ev.cache_salt else None
+                salt = salt_of(ev.extra_keys, ev.cache_salt)
                 root = self._roots.get((model, salt))
                 if root is None:
                     if len(self._roots) > 4096:  # tenants come and go: keep the cache bounded

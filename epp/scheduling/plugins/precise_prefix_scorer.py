@@ -50,9 +50,6 @@ class PrecisePrefixCacheScorer:
     def name(self) -> str:
         return self._name
 
-    def weight(self, tier: str) -> float:
-        return self.weights.get(tier, self.unknown)
-
     def score(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
     ) -> list[float]:
