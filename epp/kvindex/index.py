@@ -58,7 +58,7 @@ bytes per entry (10 M entries, engine blocks the size of index blocks, one tier,
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -357,22 +357,35 @@ class BlockIndex:
         """For each pod the index knows: the sum, over the consecutive prefix of the prompt's blocks held on
         any tier ("any" of `lookup`), of the weight of the best tier holding each block there (`weights`
         by tier name, `unknown` for tiers not in it). Pods the index does not know are left out."""
+        by_tier = self.lookup_by_best_tier(keys, pods, lambda tier: weights.get(tier, unknown))
+        return {pod: sum(n * weights.get(t, unknown) for t, n in counts.items()) for pod, counts in by_tier.items()}
+
+    def lookup_by_best_tier(
+        self,
+        keys: npt.NDArray[np.uint64] | Sequence[int],
+        pods: Sequence[str],
+        rank: Callable[[str], float],
+    ) -> dict[str, dict[str, int]]:
+        """For each pod the index knows: how many blocks of the consecutive prefix held on any tier ("any"
+        of `lookup`) have each tier as their best copy there, best = highest `rank(tier)`. Only tiers
+        with a nonzero count appear; pods the index does not know are left out."""
         held = self._held(keys, pods)
         if held is None:
             return {}
         known, tiers, chunk_at, masks = held
         run = np.bitwise_or.reduce(masks, axis=0)
         np.bitwise_and.accumulate(run, axis=1, out=run)
-        total = np.zeros((len(chunk_at), 32))
         covered = np.zeros_like(run)
-        by_weight = sorted(range(len(tiers)), key=lambda i: -weights.get(self._tier_names[tiers[i]], unknown))
-        for i in by_weight:
-            w = weights.get(self._tier_names[tiers[i]], unknown)
-            if w:
-                total += w * _bit_counts(masks[i] & run & ~covered)
+        names = [self._tier_names[t] for t in tiers]
+        per_tier: list[tuple[str, list[list[int]]]] = []
+        for i in sorted(range(len(tiers)), key=lambda i: -rank(names[i])):
+            per_tier.append((names[i], _bit_counts(masks[i] & run & ~covered).tolist()))
             covered |= masks[i]
-        sums = total.tolist()
-        return {name: sums[chunk_at[pid >> CHUNK_BITS]][pid & 31] for name, pid in known}
+        out: dict[str, dict[str, int]] = {}
+        for name, pid in known:
+            ci, q = chunk_at[pid >> CHUNK_BITS], pid & 31
+            out[name] = {t: c[ci][q] for t, c in per_tier if c[ci][q]}
+        return out
 
     def _held(
         self, keys: npt.NDArray[np.uint64] | Sequence[int], pods: Sequence[str]
