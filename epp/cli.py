@@ -159,10 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace) -> EppConfig:
     """The config file (or the built-in default), with the KV-event and tokenizer flags applied over it."""
-    if args.config:
-        cfg = load_config(args.config)
-    else:
-        cfg = default_config(kv_events=args.kv_events_mode not in (None, "off"))
+    cfg = load_config(args.config) if args.config else default_config()
     kv = cfg.kv_events
     overrides: dict[str, object] = {}
     for flag, field in (

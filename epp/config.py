@@ -21,7 +21,10 @@ import msgspec
 import yaml
 
 from epp.clock import Clock
+from epp.costmodel.profile import ProfileError
+from epp.costmodel.service import CostModelSettings, parse_cost_model
 from epp.durations import parse_duration
+from epp.scheduling.admission import Admission
 from epp.scheduling.framework import Filter, Picker, PluginHandle, ProfileHandler, Scorer
 from epp.scheduling.plugins.max_score_picker import MaxScorePicker
 from epp.scheduling.plugins.single_profile_handler import SingleProfileHandler
@@ -29,6 +32,7 @@ from epp.scheduling.profile import NamedFilter, SchedulerProfile, WeightedScorer
 from epp.scheduling.registry import PluginParamsError, PluginRegistry
 from epp.scheduling.saturation import SaturationDetector
 from epp.scheduling.scheduler import Scheduler
+from epp.tenancy import TenancyConfig
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1",)
 KIND = "EndpointPickerConfig"
@@ -99,6 +103,23 @@ class IndexEntry(_Struct):
     max_entries: int = 10_000_000
 
 
+class AdmissionEntry(_Struct):
+    ttft_slo: str | float | None = None
+    max_retry_after: str | float = "60s"
+
+
+class TenancyEntry(_Struct):
+    header: str = "x-tenant-id"
+    missing: str = "shared"
+    secret_file: str | None = None
+    secret_env: str | None = None
+
+
+class ExplainEntry(_Struct):
+    keep: int = 100
+    response_header: bool = False
+
+
 class ConfigDoc(_Struct):
     api_version: str
     kind: str
@@ -111,6 +132,10 @@ class ConfigDoc(_Struct):
     kv_events: KvEventsEntry | None = None
     index: IndexEntry | None = None
     tokenizers: dict[str, str] = {}
+    cost_model: dict[str, Any] | None = None
+    admission: AdmissionEntry | None = None
+    tenancy: TenancyEntry | None = None
+    explain: ExplainEntry | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +188,12 @@ class IndexConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ExplainConfig:
+    keep: int = 100  # decisions kept for /debug/decisions
+    response_header: bool = False  # x-epp-decision on responses
+
+
+@dataclass(frozen=True, slots=True)
 class EppConfig:
     source: str
     doc: ConfigDoc
@@ -172,9 +203,31 @@ class EppConfig:
     kv_events: KvEventsConfig = KvEventsConfig()
     index: IndexConfig = IndexConfig()
     tokenizers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cost_model: CostModelSettings = dataclasses.field(default_factory=CostModelSettings)
+    admission: Admission = dataclasses.field(default_factory=Admission)
+    tenancy: TenancyConfig | None = None
+    explain: ExplainConfig = dataclasses.field(default_factory=ExplainConfig)
 
 
 DEFAULT_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: metrics-staleness-filter
+  parameters: {maxAge: 2s}
+- type: ttft-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: metrics-staleness-filter
+  - pluginRef: ttft-scorer
+  - pluginRef: max-score-picker
+"""
+"""The built-in default: pick by estimated time to first token. With KV events on, the estimate
+credits cached prefixes from the index; without, it is load-aware only."""
+
+LOAD_AWARE_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -193,14 +246,7 @@ schedulingProfiles:
   - {pluginRef: active-request-scorer, weight: 1}
   - pluginRef: max-score-picker
 """
-
-DEFAULT_PRECISE_CONFIG_YAML = DEFAULT_CONFIG_YAML.replace(
-    "- type: queue-scorer\n", "- type: precise-prefix-cache-scorer\n- type: queue-scorer\n"
-).replace(
-    "  - {pluginRef: queue-scorer, weight: 2}\n",
-    "  - {pluginRef: precise-prefix-cache-scorer, weight: 3}\n  - {pluginRef: queue-scorer, weight: 2}\n",
-)
-"""The built-in default when KV events are on: the load-aware profile plus precise prefix scoring."""
+"""The reference EPP's load-aware scorers (the default before the TTFT picker)."""
 
 _MSGSPEC_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
@@ -278,6 +324,10 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     for model, path in doc.tokenizers.items():
         if not model or not path:
             raise ConfigError(source, "tokenizers", model or "<empty>", "needs a model name and a directory")
+    try:
+        cost_model = parse_cost_model(doc.cost_model)
+    except ProfileError as err:
+        raise ConfigError(source, "costModel", err.field, err.message) from None
     return EppConfig(
         source,
         doc,
@@ -287,7 +337,43 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         kv,
         IndexConfig(idx.block_size, idx.max_entries),
         dict(doc.tokenizers),
+        cost_model,
+        _admission(source, doc.admission or AdmissionEntry()),
+        _tenancy(source, doc.tenancy),
+        _explain(source, doc.explain or ExplainEntry()),
     )
+
+
+def _admission(source: str, e: AdmissionEntry) -> Admission:
+    def duration(field: str, value: str | float) -> float:
+        try:
+            return parse_duration(value)
+        except ValueError as err:
+            raise ConfigError(source, "admission", field, str(err)) from None
+
+    slo = None if e.ttft_slo is None else duration("ttftSlo", e.ttft_slo)
+    retry = duration("maxRetryAfter", e.max_retry_after)
+    if slo is not None and slo <= 0:
+        raise ConfigError(source, "admission", "ttftSlo", "must be > 0")
+    if retry < 1:
+        raise ConfigError(source, "admission", "maxRetryAfter", "must be at least 1s")
+    return Admission(slo, 1, int(retry))
+
+
+def _tenancy(source: str, e: TenancyEntry | None) -> TenancyConfig | None:
+    if e is None:
+        return None
+    t = TenancyConfig(e.header.lower(), e.missing, e.secret_file, e.secret_env)
+    problem = t.check()
+    if problem is not None:
+        raise ConfigError(source, "tenancy", problem[0], problem[1])
+    return t
+
+
+def _explain(source: str, e: ExplainEntry) -> ExplainConfig:
+    if not 0 <= e.keep <= 100_000:
+        raise ConfigError(source, "explain", "keep", f"must be in 0..100000, got {e.keep}")
+    return ExplainConfig(e.keep, e.response_header)
 
 
 def _kv_events(source: str, e: KvEventsEntry) -> KvEventsConfig:
@@ -321,9 +407,7 @@ def load_config(path: str) -> EppConfig:
     return parse_config(text, path)
 
 
-def default_config(kv_events: bool = False) -> EppConfig:
-    if kv_events:
-        return parse_config(DEFAULT_PRECISE_CONFIG_YAML, "<built-in default config with precise prefix>")
+def default_config() -> EppConfig:
     return parse_config(DEFAULT_CONFIG_YAML, "<built-in default config>")
 
 
@@ -369,7 +453,7 @@ def build_scheduler(
         if len(profiles) > 1:
             raise ConfigError(src, "schedulingProfiles", "", "several profiles need a profile-handler plugin")
         handler = SingleProfileHandler("single-profile-handler")
-    return Scheduler(profiles, handler, clock, rng, config.saturation, timer)
+    return Scheduler(profiles, handler, clock, rng, config.saturation, timer, config.admission)
 
 
 def _build_profile(

@@ -2,15 +2,23 @@
 
 Plain synchronous code with a single writer (the server's event loop, or the simulator).
 Scheduling reads immutable `Endpoint` views, rebuilt only when a record changes.
+
+In-flight work per endpoint, for the cost model: a routed request sits in the endpoint's
+*prefill backlog* (its uncached prompt work) until its first token, then counts as
+*decoding* until it is released (end, error, disconnect). A request whose first byte the EPP
+never sees (a buffered response, a lost stream) leaves the backlog at its `first_token_by`
+deadline, so the backlog cannot grow stale.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from epp.clock import Clock
-from epp.types import Endpoint, EndpointId, MetricsSnapshot
+from epp.types import NO_WORK, Endpoint, EndpointId, MetricsSnapshot, PrefillWork
 
 
 @dataclass(slots=True)
@@ -24,6 +32,9 @@ class EndpointRecord:
     last_error: str | None = None
     in_flight_requests: int = 0
     in_flight_prompt_tokens: int = 0
+    prefill_backlog: PrefillWork = NO_WORK
+    decoding_requests: int = 0
+    decoding_tokens: int = 0
     added_at: float = 0.0
     _view: Endpoint | None = None
 
@@ -37,6 +48,9 @@ class EndpointRecord:
                 in_flight_prompt_tokens=self.in_flight_prompt_tokens,
                 model=self.model,
                 labels=self.labels,
+                prefill_backlog=self.prefill_backlog,
+                decoding_requests=self.decoding_requests,
+                decoding_tokens=self.decoding_tokens,
             )
         return self._view
 
@@ -51,7 +65,11 @@ class Ticket:
     endpoint: EndpointId
     prompt_tokens: int
     started_at: float
+    work: PrefillWork = NO_WORK  # in the endpoint's prefill backlog until the first token
+    first_token_by: float = float("inf")
+    decoding: bool = False
     released: bool = False
+    record: EndpointRecord | None = None  # the record it was counted on (a re-added endpoint starts afresh)
 
 
 class Datastore:
@@ -62,6 +80,8 @@ class Datastore:
         self.unhealthy_after_failures = unhealthy_after_failures
         self._records: dict[EndpointId, EndpointRecord] = {}
         self._healthy_views: list[Endpoint] | None = None
+        self._deadlines: list[tuple[float, int, Ticket]] = []
+        self._seq = itertools.count()
 
     # -- membership -------------------------------------------------------------------
     def add_endpoint(
@@ -130,6 +150,8 @@ class Datastore:
     # -- candidates --------------------------------------------------------------------
     def candidates(self, subset: Collection[EndpointId] | None = None) -> list[Endpoint]:
         """Healthy endpoints (restricted to `subset` when given), as immutable views."""
+        if self._deadlines and self._deadlines[0][0] <= self.clock.now():
+            self.expire_backlog()
         if self._healthy_views is None:
             self._healthy_views = [r.view() for r in self._records.values() if r.healthy]
         if subset is None:
@@ -137,29 +159,82 @@ class Datastore:
         return [e for e in self._healthy_views if e.id in subset]
 
     # -- in-flight accounting ------------------------------------------------------------
-    def begin(self, endpoint_id: EndpointId, prompt_tokens: int = 0) -> Ticket:
+    def begin(
+        self,
+        endpoint_id: EndpointId,
+        prompt_tokens: int = 0,
+        work: PrefillWork = NO_WORK,
+        first_token_by: float = float("inf"),
+    ) -> Ticket:
+        """Account a request routed to the endpoint; `work` joins its prefill backlog until
+        `first_token` (or the `first_token_by` deadline, Clock seconds)."""
         rec = self._records.get(endpoint_id)
+        ticket = Ticket(endpoint_id, prompt_tokens, self.clock.now(), work, first_token_by, record=rec)
         if rec is not None:
             rec.in_flight_requests += 1
             rec.in_flight_prompt_tokens += prompt_tokens
+            if work.requests:
+                rec.prefill_backlog = rec.prefill_backlog + work
+                if first_token_by != float("inf"):
+                    heapq.heappush(self._deadlines, (first_token_by, next(self._seq), ticket))
             self._changed(rec)
-        return Ticket(endpoint_id, prompt_tokens, self.clock.now())
+        return ticket
+
+    def first_token(self, ticket: Ticket) -> bool:
+        """The request's first token arrived: out of the prefill backlog, now decoding.
+        Returns False if it already was (or was released)."""
+        if ticket.released or ticket.decoding:
+            return False
+        ticket.decoding = True
+        rec = self._live(ticket)
+        if rec is not None:
+            if ticket.work.requests:
+                rec.prefill_backlog = _floor(rec.prefill_backlog - ticket.work)
+            rec.decoding_requests += 1
+            rec.decoding_tokens += ticket.prompt_tokens
+            self._changed(rec)
+        return True
 
     def release(self, ticket: Ticket) -> bool:
         """Release a ticket; returns False if it was already released."""
         if ticket.released:
             return False
-        ticket.released = True
-        rec = self._records.get(ticket.endpoint)
+        rec = self._live(ticket)
         if rec is not None:
+            if ticket.decoding:
+                rec.decoding_requests -= 1
+                rec.decoding_tokens -= ticket.prompt_tokens
+            elif ticket.work.requests:
+                rec.prefill_backlog = _floor(rec.prefill_backlog - ticket.work)
             rec.in_flight_requests -= 1
             rec.in_flight_prompt_tokens -= ticket.prompt_tokens
             self._changed(rec)
+        ticket.released = True
         return True
+
+    def expire_backlog(self) -> int:
+        """Move requests past their first-token deadline from the backlog to decoding."""
+        now = self.clock.now()
+        moved = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            ticket = heapq.heappop(self._deadlines)[2]
+            moved += self.first_token(ticket)
+        return moved
 
     def total_in_flight(self) -> int:
         return sum(r.in_flight_requests for r in self._records.values())
 
+    def _live(self, ticket: Ticket) -> EndpointRecord | None:
+        rec = self._records.get(ticket.endpoint)
+        return rec if rec is not None and rec is ticket.record else None
+
     def _changed(self, rec: EndpointRecord) -> None:
         rec.touch()
         self._healthy_views = None
+
+
+def _floor(work: PrefillWork) -> PrefillWork:
+    """Sums of floats drift; an empty backlog is exactly empty."""
+    if work.requests <= 0:
+        return NO_WORK
+    return PrefillWork(work.requests, max(work.tokens, 0), max(work.pairs, 0.0))

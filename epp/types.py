@@ -40,6 +40,29 @@ class MetricsSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """Prefill work the cost model counts, as sums over requests (so a queue of them adds up):
+    requests, uncached prompt tokens, and attention pairs (each new token x the context it attends to)."""
+
+    requests: int = 0
+    tokens: int = 0
+    pairs: float = 0.0
+
+    def __add__(self, other: PrefillWork) -> PrefillWork:
+        return PrefillWork(
+            self.requests + other.requests, self.tokens + other.tokens, self.pairs + other.pairs
+        )
+
+    def __sub__(self, other: PrefillWork) -> PrefillWork:
+        return PrefillWork(
+            self.requests - other.requests, self.tokens - other.tokens, self.pairs - other.pairs
+        )
+
+
+NO_WORK = PrefillWork()
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """A candidate as the scheduler sees it: an immutable view taken per scheduling cycle."""
 
@@ -50,6 +73,10 @@ class Endpoint:
     in_flight_prompt_tokens: int = 0
     model: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Requests this EPP routed here: still before their first token (prefill backlog) / decoding.
+    prefill_backlog: PrefillWork = NO_WORK
+    decoding_requests: int = 0
+    decoding_tokens: int = 0
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last scrape; infinity if there never was one."""
@@ -82,6 +109,43 @@ class InferenceRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TtftEstimate:
+    """The cost model's estimate of time to first token on one endpoint, term by term (seconds)."""
+
+    queue_s: float
+    prefill_s: float
+    reload_s: float
+    decode_s: float
+    prompt_tokens: int
+    cached_tokens: int  # the part not recomputed: held on GPU, or reloaded from a slower tier
+    reloaded_tokens: int
+    work: PrefillWork  # this request's own prefill work (what it adds to the endpoint's backlog)
+    queue_nominal_s: float = 0.0  # before calibration (what the calibrator fits against)
+    prefill_nominal_s: float = 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.reload_s + self.decode_s
+
+    def terms(self) -> dict[str, float]:
+        return {
+            "ttft_s": self.ttft_s,
+            "queue_s": self.queue_s,
+            "prefill_s": self.prefill_s,
+            "reload_s": self.reload_s,
+            "decode_s": self.decode_s,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "reloaded_tokens": self.reloaded_tokens,
+        }
+
+
+PICK_MODES = ("cache-aware", "degraded", "load-only")
+"""How much a decision could trust the cache index: every candidate fresh / some without cache
+credit / none (index off, prompt not keyable, or every candidate stale)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """The outcome of a scheduling cycle: endpoints in order (first is primary)."""
 
@@ -89,6 +153,8 @@ class Decision:
     profile: str
     reason: str
     scores: Mapping[EndpointId, float] = field(default_factory=dict)
+    mode: str = ""  # one of PICK_MODES when a cache-aware plugin ran, else ""
+    estimates: Mapping[EndpointId, TtftEstimate] = field(default_factory=dict)
 
     @property
     def primary(self) -> EndpointId:

@@ -51,9 +51,13 @@ class KvIndexService:
 
     def prompt_keys(self, request: InferenceRequest) -> np.ndarray | None:
         """Our block keys of the prompt's full blocks (the root carries model and cache salt)."""
+        return self.prompt_tokens_and_keys(request)[1]
+
+    def prompt_tokens_and_keys(self, request: InferenceRequest) -> tuple[int | None, np.ndarray | None]:
+        """(prompt token count, block keys), both None when the prompt cannot be tokenized."""
         tokens = self.prompt_tokens(request)
         if tokens is None:
-            return None
+            return None, None
         if len(tokens) < self.block_size:
-            return _EMPTY
-        return block_keys(tokens, self.block_size, root_key(request.model, request.cache_salt))
+            return len(tokens), _EMPTY
+        return len(tokens), block_keys(tokens, self.block_size, root_key(request.model, request.cache_salt))

@@ -14,6 +14,7 @@ from epp.scheduling.plugins import (
     single_profile_handler,
     staleness_filter,
     token_load_scorer,
+    ttft_scorer,
 )
 from epp.scheduling.registry import PluginRegistry, PluginSpec
 
@@ -24,6 +25,7 @@ BUILTIN_SPECS: tuple[PluginSpec, ...] = (
     active_request_scorer.SPEC,
     token_load_scorer.SPEC,
     precise_prefix_scorer.SPEC,
+    ttft_scorer.SPEC,
     max_score_picker.SPEC,
     random_picker.SPEC,
     round_robin_picker.SPEC,

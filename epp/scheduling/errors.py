@@ -29,3 +29,14 @@ class PoolSaturatedError(SchedulingError):
 
     status = 429
     code = "InferencePoolResourceExhausted"
+
+
+class SloExceededError(SchedulingError):
+    """A sheddable request whose fastest estimated time to first token is over the SLO."""
+
+    status = 429
+    code = "InferencePoolResourceExhausted"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -10,6 +10,14 @@ from typing import Any, Protocol, runtime_checkable
 from epp.clock import Clock
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
+# Well-known CycleState keys the scheduler reads after a profile ran.
+MODE = "pick_mode"
+"""How far the decision trusted the cache index: one of `epp.types.PICK_MODES`."""
+ESTIMATES = "ttft_estimates"
+"""{endpoint id: TtftEstimate} of this cycle."""
+FASTEST = "ttft_min_s"
+"""The smallest estimated time to first token among the candidates (seconds)."""
+
 
 @dataclass(slots=True)
 class CycleState:

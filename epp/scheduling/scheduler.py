@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epp.clock import Clock
+from epp.scheduling.admission import Admission
 from epp.scheduling.errors import NoEndpointsError, PoolSaturatedError
-from epp.scheduling.framework import CycleState, ProfileHandler
+from epp.scheduling.framework import ESTIMATES, FASTEST, MODE, CycleState, ProfileHandler
 from epp.scheduling.profile import PluginTiming, SchedulerProfile
 from epp.scheduling.saturation import SaturationDetector
 from epp.types import Decision, Endpoint, InferenceRequest
@@ -29,6 +30,7 @@ class Scheduler:
         rng: random.Random,
         saturation: SaturationDetector | None = None,
         timer: Clock | None = None,
+        admission: Admission | None = None,
     ) -> None:
         if not profiles:
             raise ValueError("a scheduler needs at least one profile")
@@ -39,6 +41,7 @@ class Scheduler:
         self.rng = rng
         self.saturation = saturation or SaturationDetector()
         self.timer = timer
+        self.admission = admission or Admission()
 
     def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> ScheduleResult:
         if not candidates:
@@ -50,10 +53,14 @@ class Scheduler:
         state = CycleState(now=now, rng=self.rng)
         timings: list[PluginTiming] = []
         result = profile.run(state, request, candidates, self.timer, timings)
+        data = state.data
+        self.admission.check(request, data.get(FASTEST))
         decision = Decision(
             endpoints=tuple(result.endpoints),
             profile=profile.name,
-            reason=state.data.get("reason", "scored"),
+            reason=data.get("reason", "scored"),
             scores=result.scores,
+            mode=data.get(MODE, ""),
+            estimates=data.get(ESTIMATES) or {},
         )
         return ScheduleResult(decision, tuple(timings))

@@ -1,4 +1,4 @@
-"""Admin HTTP (aiohttp): /metrics, /healthz, /readyz and /debug/endpoints."""
+"""Admin HTTP (aiohttp): /metrics, /healthz, /readyz and /debug/{endpoints,index,decisions}."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def endpoint_json(rec: EndpointRecord, now: float) -> dict[str, Any]:
         "metrics_age_seconds": None if rec.metrics is None else round(now - rec.metrics.observed_at, 6),
         "in_flight_requests": rec.in_flight_requests,
         "in_flight_prompt_tokens": rec.in_flight_prompt_tokens,
+        "prefill_backlog": {
+            "requests": rec.prefill_backlog.requests,
+            "uncached_tokens": rec.prefill_backlog.tokens,
+        },
+        "decoding_requests": rec.decoding_requests,
         "scrape_failures": rec.scrape_failures,
         "last_error": rec.last_error,
     }
@@ -43,6 +48,7 @@ class AdminServer:
         ready: Callable[[], bool],
         debug_endpoints: bool = True,
         debug_index: Callable[[], dict[str, Any]] | None = None,
+        debug_decisions: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
         self.metrics = metrics
         self.datastore = datastore
@@ -53,10 +59,13 @@ class AdminServer:
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
         self.debug_index = debug_index
+        self.debug_decisions = debug_decisions
         if debug_endpoints:
             self.app.router.add_get("/debug/endpoints", self._endpoints)
             if debug_index is not None:
                 self.app.router.add_get("/debug/index", self._index)
+            if debug_decisions is not None:
+                self.app.router.add_get("/debug/decisions", self._decisions)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -90,6 +99,15 @@ class AdminServer:
     async def _index(self, request: web.Request) -> web.Response:
         assert self.debug_index is not None
         return web.json_response(self.debug_index())
+
+    async def _decisions(self, request: web.Request) -> web.Response:
+        assert self.debug_decisions is not None
+        raw = request.query.get("limit", "20")
+        if not raw.isdigit() or not 0 < int(raw) <= 100_000:
+            return web.json_response(
+                {"error": f"limit must be an integer in 1..100000, got {raw!r}"}, status=400
+            )
+        return web.json_response(self.debug_decisions(int(raw)))
 
     async def _endpoints(self, request: web.Request) -> web.Response:
         now = self.clock.now()

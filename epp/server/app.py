@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -13,6 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp.clock import MonotonicClock
 from epp.config import EppConfig, StaticEndpoint, build_scheduler
+from epp.costmodel.service import SERVICE_KEY as COST_KEY
+from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
@@ -23,6 +26,7 @@ from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
 from epp.scheduling.registry import PluginRegistry
 from epp.server.admin import AdminServer
+from epp.server.decisions import DecisionLog
 from epp.server.director import Director
 from epp.server.ext_proc import SERVICE_NAME, ExtProcService
 from epp.server.kv_metrics import KvIndexCollector
@@ -30,6 +34,7 @@ from epp.server.metrics import EppMetrics
 from epp.server.tls import load_cert_dir, self_signed
 from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.metrics_scrape import MetricsScraper
+from epp.tenancy import TenancyConfig, TenantSalter
 
 log = logging.getLogger("epp.server")
 
@@ -92,15 +97,32 @@ class EppServer:
         )
         self.metrics.registry.register(KvIndexCollector(self.kv, self.ingest, self.clock))
         # Plugins are built (and their parameters validated) here, before anything listens.
+        self.cost = CostModel(config.cost_model)
+        self.metrics.attach_cost_model(self.cost)
         self.scheduler = build_scheduler(
             config,
             registry or default_registry(),
             self.clock,
             self.rng,
             timer=self.clock,
-            services={SERVICE_KEY: self.kv},
+            services={SERVICE_KEY: self.kv, COST_KEY: self.cost},
         )
-        self.director = Director(self.datastore, self.scheduler, self.metrics, self.clock, config.objectives)
+        self.decisions = DecisionLog(config.explain.keep)
+        tenancy = None
+        if config.tenancy is not None:
+            t = config.tenancy
+            tenancy = TenantSalter(t.header, read_secret(t, os.environ), t.missing)
+        self.director = Director(
+            self.datastore,
+            self.scheduler,
+            self.metrics,
+            self.clock,
+            config.objectives,
+            cost=self.cost,
+            tenancy=tenancy,
+            decisions=self.decisions,
+            decision_header=config.explain.response_header,
+        )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.admin = AdminServer(
             self.metrics,
@@ -109,6 +131,7 @@ class EppServer:
             self.is_ready,
             settings.debug_endpoints,
             lambda: index_report(self.kv, self.ingest, kv.mode, self.clock.now(), self._served_models()),
+            lambda limit: self.decisions.render(limit, self.clock.now(), self.cost.coefficients()),
         )
         self.scraper: MetricsScraper | None = None
         if settings.refresh_metrics_interval > 0:
@@ -207,3 +230,21 @@ class EppServer:
     async def wait(self) -> None:
         if self._grpc is not None:
             await self._grpc.wait_for_termination()
+
+
+def read_secret(config: TenancyConfig, environ: Mapping[str, str]) -> bytes:
+    """The HMAC secret from the configured file or environment variable. Raises ValueError."""
+    if config.secret_env is not None:
+        value = environ.get(config.secret_env)
+        if not value:
+            raise ValueError(f"tenancy: environment variable {config.secret_env!r} is not set or empty")
+        return value.encode("utf-8")
+    assert config.secret_file is not None
+    try:
+        with open(config.secret_file, "rb") as f:
+            data = f.read().strip()
+    except OSError as err:
+        raise ValueError(f"tenancy: cannot read secretFile {config.secret_file!r}: {err.strerror}") from None
+    if not data:
+        raise ValueError(f"tenancy: secretFile {config.secret_file!r} is empty")
+    return data

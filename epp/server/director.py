@@ -8,13 +8,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from epp.clock import Clock
+from epp.costmodel.service import CostModel
 from epp.datastore import Datastore, Ticket
 from epp.requests import RequestError, build_request, parse_body
 from epp.scheduling.errors import NoEndpointsError
 from epp.scheduling.scheduler import Scheduler
+from epp.server.decisions import DecisionLog
 from epp.server.metrics import EppMetrics
-from epp.types import Decision, InferenceRequest
+from epp.tenancy import TenantSalter
+from epp.types import Decision, InferenceRequest, TtftEstimate
 from epp.usage import Usage
+
+FIRST_TOKEN_DEADLINE_FACTOR = 4.0
+"""A routed request leaves the prefill backlog at its first byte, or at the latest after this many
+times its estimated TTFT (plus FIRST_TOKEN_DEADLINE_FLOOR): a buffered response's first byte is its
+last, and a lost stream must not hold the backlog."""
+FIRST_TOKEN_DEADLINE_FLOOR = 0.5
 
 log = logging.getLogger("epp.director")
 
@@ -27,6 +36,11 @@ class RoutedRequest:
     routed_at: float
     status: int | None = None
     first_byte_at: float | None = None
+    body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt)
+
+    @property
+    def estimate(self) -> TtftEstimate | None:
+        return self.decision.estimates.get(self.decision.primary)
 
 
 class Director:
@@ -37,12 +51,20 @@ class Director:
         metrics: EppMetrics,
         clock: Clock,
         objectives: Mapping[str, int] | None = None,
+        cost: CostModel | None = None,
+        tenancy: TenantSalter | None = None,
+        decisions: DecisionLog | None = None,
+        decision_header: bool = False,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
         self.metrics = metrics
         self.clock = clock
         self.objectives = dict(objectives or {})
+        self.cost = cost
+        self.tenancy = tenancy
+        self.decisions = decisions
+        self.decision_header = decision_header
 
     def route(
         self,
@@ -52,6 +74,12 @@ class Director:
     ) -> RoutedRequest:
         """Pick endpoints for a request. Raises RequestError or SchedulingError."""
         doc: dict[str, Any] | None = None if body is None else parse_body(body)
+        new_body: bytes | None = None
+        if self.tenancy is not None:  # the tenant's salt replaces any client-sent cache_salt
+            if doc is not None:
+                new_body = self.tenancy.apply(headers, doc)
+            else:
+                self.tenancy.tenant_of(headers)  # a header-only request still needs a tenant
         request = build_request(headers, doc, self.objectives, len(body) if body is not None else 0)
         if subset is not None:
             candidates = self.datastore.candidates(subset)
@@ -68,10 +96,19 @@ class Director:
             m.plugin_duration(point, ptype, pname).observe(seconds)
         decision = result.decision
         m.picks(decision.primary, decision.profile, decision.reason).inc()
+        if decision.mode:
+            m.pick_modes(decision.mode).inc()
         m.requests(request.model, request.model).inc()
         m.running(request.model).inc()
-        ticket = self.datastore.begin(decision.primary, request.prompt_tokens_estimate)
-        return RoutedRequest(request, decision, ticket, t1)
+        est = decision.estimates.get(decision.primary)
+        if est is not None:
+            deadline = t1 + FIRST_TOKEN_DEADLINE_FACTOR * est.ttft_s + FIRST_TOKEN_DEADLINE_FLOOR
+            ticket = self.datastore.begin(decision.primary, est.prompt_tokens, est.work, deadline)
+        else:
+            ticket = self.datastore.begin(decision.primary, request.prompt_tokens_estimate)
+        if self.decisions is not None:
+            self.decisions.add(t1, request, decision)
+        return RoutedRequest(request, decision, ticket, t1, body=new_body)
 
     def reject(self, status: int, code: str, model: str = "") -> None:
         self.metrics.rejections(str(status), code).inc()
@@ -86,9 +123,22 @@ class Director:
             self.metrics.request_errors(model, model, f"ModelServerError{status}").inc()
 
     def on_first_byte(self, routed: RoutedRequest) -> None:
-        if routed.first_byte_at is None:
-            routed.first_byte_at = now = self.clock.now()
-            self.metrics.ttfb(routed.decision.primary).observe(now - routed.routed_at)
+        if routed.first_byte_at is not None:
+            return
+        routed.first_byte_at = now = self.clock.now()
+        elapsed = now - routed.routed_at
+        self.metrics.ttfb(routed.decision.primary).observe(elapsed)
+        self.datastore.first_token(routed.ticket)
+        est = routed.estimate
+        # Only a streamed, successful response's first byte is its first token.
+        if (
+            self.cost is not None
+            and est is not None
+            and routed.request.stream
+            and routed.status is not None
+            and 200 <= routed.status < 300
+        ):
+            self.cost.observe(routed.request.model, est, elapsed)
 
     def finish(self, routed: RoutedRequest, cause: str, usage: Usage | None = None) -> None:
         """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect."""

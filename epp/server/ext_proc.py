@@ -21,7 +21,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from epp.requests import RequestError
-from epp.scheduling.errors import SchedulingError
+from epp.scheduling.errors import SchedulingError, SloExceededError
+from epp.server.decisions import DECISION_HEADER, header_value
 from epp.server.director import Director, RoutedRequest
 from epp.usage import UsageReader
 
@@ -35,6 +36,7 @@ MAX_CHUNK = 62_000
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 _DUPLEX = 4  # ProcessingMode.FULL_DUPLEX_STREAMED
+_STREAMED = 1
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON_CT = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
@@ -67,32 +69,36 @@ def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
     return [i.strip() for i in items if i.strip()]
 
 
-def error_response(status: int, code: str, message: str) -> pb.ProcessingResponse:
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def error_response(
+    status: int, code: str, message: str, retry_after: int | None = None
+) -> pb.ProcessingResponse:
     body = json.dumps(
         {"error": {"message": f"inference error: {code} - {message}", "type": code, "code": status}}
     ).encode()
+    headers = [_JSON_CT]
+    if retry_after is not None:
+        headers.append(_header("retry-after", str(retry_after)))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[_JSON_CT]),
+            headers=pb.HeaderMutation(set_headers=headers),
             body=body,
             details=f"epp_{code}",
         )
     )
 
 
-def _destination_mutation(value: str) -> pb.CommonResponse:
-    return pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(
-            set_headers=[
-                base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=value.encode()),
-                    append_action=_OVERWRITE,
-                )
-            ]
-        ),
-        clear_route_cache=True,
-    )
+def _destination_mutation(value: str, content_length: int | None = None) -> pb.CommonResponse:
+    headers = [_header(DESTINATION_HEADER, value)]
+    if content_length is not None:
+        headers.append(_header("content-length", str(content_length)))
+    return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
 
 
 def _lb_metadata(value: str) -> struct_pb2.Struct:
@@ -170,7 +176,7 @@ class RequestStream:
         self.body += body.body
         if self.request_mode == _DUPLEX and not body.end_of_stream:
             return ()
-        if self.request_mode == 1 and not body.end_of_stream:  # STREAMED: acknowledge each chunk
+        if self.request_mode == _STREAMED and not body.end_of_stream:  # STREAMED: acknowledge each chunk
             return (pb.ProcessingResponse(request_body=pb.BodyResponse()),)
         return self._route(self.body, header_phase=False)
 
@@ -185,10 +191,20 @@ class RequestStream:
     def _route(
         self, body: bytearray | None, header_phase: bool, body_eos: bool = True
     ) -> Iterable[pb.ProcessingResponse]:
+        if body is not None and self.request_mode == _STREAMED and self.director.tenancy is not None:
+            # STREAMED chunks were passed on as they came: the body can no longer be changed.
+            return self._reject(
+                500,
+                "Internal",
+                "tenant isolation rewrites the request body; configure request_body_mode "
+                "FULL_DUPLEX_STREAMED or BUFFERED",
+            )
         try:
             routed = self.director.route(self.headers, body, self.subset)
         except RequestError as err:
             return self._reject(err.status, err.code, err.message)
+        except SloExceededError as err:
+            return self._reject(err.status, err.code, str(err), err.retry_after_s)
         except SchedulingError as err:
             return self._reject(err.status, err.code, str(err))
         except Exception:
@@ -197,7 +213,8 @@ class RequestStream:
         self.routed = routed
         dest = ",".join(routed.decision.endpoints)
         metadata = _lb_metadata(dest)
-        common = _destination_mutation(dest)
+        new_body = routed.body
+        common = _destination_mutation(dest, None if new_body is None else len(new_body))
         if header_phase:
             return (
                 pb.ProcessingResponse(
@@ -205,6 +222,8 @@ class RequestStream:
                 ),
             )
         if self.request_mode != _DUPLEX:
+            if new_body is not None:
+                common.body_mutation.body = new_body
             return (
                 pb.ProcessingResponse(
                     request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
@@ -216,7 +235,7 @@ class RequestStream:
             )
         ]
         assert body is not None
-        data = bytes(body)
+        data = bytes(body) if new_body is None else new_body
         self.body = bytearray()
         n = len(data)
         if n == 0:
@@ -226,11 +245,13 @@ class RequestStream:
             out.append(_echo(data[start:end], body_eos and end >= n, False))
         return out
 
-    def _reject(self, status: int, code: str, message: str) -> Iterable[pb.ProcessingResponse]:
+    def _reject(
+        self, status: int, code: str, message: str, retry_after: int | None = None
+    ) -> Iterable[pb.ProcessingResponse]:
         self.done = True
         self.body = bytearray()
         self.director.reject(status, code)
-        return (error_response(status, code, message),)
+        return (error_response(status, code, message, retry_after),)
 
     # -- response path ------------------------------------------------------------------
     def _response_headers(self, headers: pb.HttpHeaders) -> Iterable[pb.ProcessingResponse]:
@@ -245,6 +266,13 @@ class RequestStream:
             if headers.end_of_stream:
                 self.director.on_first_byte(self.routed)
                 self._finish("complete" if 200 <= status < 300 else "error")
+            if self.director.decision_header:
+                explain = pb.CommonResponse(
+                    header_mutation=pb.HeaderMutation(
+                        set_headers=[_header(DECISION_HEADER, header_value(self.routed.decision))]
+                    )
+                )
+                return (pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=explain)),)
         return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
 
     def _response_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:

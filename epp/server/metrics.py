@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epp.clock import Clock
+from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 
 M = TypeVar("M", Counter, Gauge, Histogram)
@@ -102,6 +103,43 @@ class _PoolCollector(Collector):
         yield from (kv, queue, pods, in_flight, in_tokens, healthy, age)
 
 
+class _CostModelCollector(Collector):
+    """The cost model's calibration per model, read at scrape time."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        prefill = GaugeMetricFamily(
+            "epp_cost_model_prefill_scale",
+            "Fitted multiplier of the profile's prefill cost (1 = the profile as configured)",
+            labels=["model_name"],
+        )
+        queue = GaugeMetricFamily(
+            "epp_cost_model_queue_scale",
+            "Fitted multiplier of the estimated queue wait (1 = as the profile predicts)",
+            labels=["model_name"],
+        )
+        per_token = GaugeMetricFamily(
+            "epp_cost_model_prefill_seconds_per_token",
+            "Effective prefill seconds per uncached token after calibration",
+            labels=["model_name"],
+        )
+        observed = CounterMetricFamily(
+            "epp_cost_model_observations",
+            "Observed times to first token folded into the fit, and those down-weighted as outliers",
+            labels=["model_name", "kind"],
+        )
+        for model, c in self.cost.coefficients().items():
+            prefill.add_metric([model], c["prefill_scale"])
+            queue.add_metric([model], c["queue_scale"])
+            per_token.add_metric([model], c["prefill_seconds_per_token"])
+            observed.add_metric([model, "used"], c["observations"])
+            observed.add_metric([model, "outlier"], c["outliers"])
+            observed.add_metric([model, "ignored"], c["ignored"])
+        yield from (prefill, queue, per_token, observed)
+
+
 class EppMetrics:
     """Every metric the server records. Labelled ones are `Children`: call with label values."""
 
@@ -155,6 +193,12 @@ class EppMetrics:
             "Primary picks per endpoint, profile and reason",
             ["endpoint", "profile", "reason"],
         )
+        self.pick_modes = counter(
+            "epp_pick_mode_total",
+            "Picks by how far the cache index was trusted: cache-aware (every candidate fresh), "
+            "degraded (stale candidates got no cache credit), load-only (no cache credit at all)",
+            ["mode"],
+        )
         self.rejections = counter(
             "epp_rejections_total",
             "Requests answered by the EPP itself, by status and code",
@@ -192,6 +236,9 @@ class EppMetrics:
 
     def attach_pool(self, datastore: Datastore, clock: Clock, pool_name: str) -> None:
         self.registry.register(_PoolCollector(datastore, clock, pool_name))
+
+    def attach_cost_model(self, cost: CostModel) -> None:
+        self.registry.register(_CostModelCollector(cost))
 
     # ScrapeObserver
     def on_scrape(self, endpoint_id: str, ok: bool, error_kind: str | None, seconds: float) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epp.types import ApiKind, Endpoint, InferenceRequest, MetricsSnapshot
+from epp.types import NO_WORK, ApiKind, Endpoint, InferenceRequest, MetricsSnapshot, PrefillWork
 
 
 class FakeClock:
@@ -30,12 +30,24 @@ def endpoint(
     in_flight: int = 0,
     in_flight_tokens: int = 0,
     model: str | None = None,
+    backlog: PrefillWork = NO_WORK,
+    decoding: int = 0,
+    decoding_tokens: int = 0,
+    num_gpu_blocks: int | None = None,
+    block_size: int | None = None,
 ) -> Endpoint:
     """An endpoint view with scraped metrics (none when observed_at is None)."""
     metrics = (
         None
         if observed_at is None
-        else MetricsSnapshot(observed_at=observed_at, waiting=waiting, running=running, kv_usage=kv_usage)
+        else MetricsSnapshot(
+            observed_at=observed_at,
+            waiting=waiting,
+            running=running,
+            kv_usage=kv_usage,
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=block_size,
+        )
     )
     return Endpoint(
         id=address,
@@ -43,6 +55,9 @@ def endpoint(
         in_flight_requests=in_flight,
         in_flight_prompt_tokens=in_flight_tokens,
         model=model,
+        prefill_backlog=backlog,
+        decoding_requests=decoding,
+        decoding_tokens=decoding_tokens,
     )
 
 
@@ -56,4 +71,19 @@ def chat_request(
         messages=[{"role": "user", "content": content}],
         priority=priority,
         prompt_tokens_estimate=max(1, len(content) // 4),
+    )
+
+
+def token_request(
+    tokens: list[int], *, model: str = "m", priority: int = 0, cache_salt: str | None = None
+) -> InferenceRequest:
+    """A completions request whose prompt is token ids (keyed without a tokenizer)."""
+    return InferenceRequest(
+        request_id="r-t",
+        api_kind=ApiKind.COMPLETIONS,
+        model=model,
+        prompt=tokens,
+        priority=priority,
+        prompt_tokens_estimate=len(tokens),
+        cache_salt=cache_salt,
     )

@@ -38,7 +38,7 @@ async def cluster(tokenizer_dir: str | None = None) -> AsyncIterator[dict[str, A
     pubs = [
         await KvEventPublisher(f"tcp://{h}:{events}", topic=f"kv@{h}:{port}@{MODEL}").start() for h in HOSTS
     ]
-    cfg = default_config(kv_events=True)
+    cfg = default_config()
     cfg = replace(
         cfg,
         kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=0.05),

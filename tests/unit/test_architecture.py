@@ -11,6 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PURE = [
     "epp/scheduling",
     "epp/kvindex",
+    "epp/costmodel",
+    "epp/tenancy.py",
     "epp/types.py",
     "epp/config.py",
     "epp/requests.py",

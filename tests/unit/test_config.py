@@ -249,20 +249,15 @@ def test_precise_scorer_without_the_kv_index_is_a_config_error() -> None:
         build_scheduler(parse_config(text, "epp.yaml"), default_registry(), FakeClock(), random.Random(0))
 
 
-def test_the_kv_default_profile_adds_the_precise_scorer() -> None:
+def test_the_default_profile_is_the_ttft_scorer_with_the_kv_index_when_there_is_one() -> None:
     from epp.config import default_config
+    from epp.scheduling.plugins.ttft_scorer import TtftScorer
 
-    s = build_scheduler(
-        default_config(kv_events=True),
-        default_registry(),
-        FakeClock(),
-        random.Random(0),
-        services=kv_services(),
-    )
-    weights = {w.type_name: w.weight for w in s.profiles["default"].scorers}
-    assert weights == {
-        "precise-prefix-cache-scorer": 3.0,
-        "queue-scorer": 2.0,
-        "kv-cache-utilization-scorer": 2.0,
-        "active-request-scorer": 1.0,
-    }
+    services = kv_services()
+    s = build_scheduler(default_config(), default_registry(), FakeClock(), random.Random(0), services=services)
+    [scorer] = s.profiles["default"].scorers
+    assert scorer.type_name == "ttft-scorer"
+    assert isinstance(scorer.scorer, TtftScorer) and scorer.scorer.kv is services["kv_index"]
+    plain = build_scheduler(default_config(), default_registry(), FakeClock(), random.Random(0))
+    assert isinstance(plain.profiles["default"].scorers[0].scorer, TtftScorer)
+    assert plain.profiles["default"].scorers[0].scorer.kv is None

@@ -28,7 +28,7 @@ def director(n: int = 2) -> Director:
     ds = Datastore(clock)
     for i in range(n):
         ds.add_endpoint(f"10.0.0.{i}:80")
-        ds.record_metrics(f"10.0.0.{i}:80", MetricsSnapshot(observed_at=clock.now(), waiting=i))
+        ds.record_metrics(f"10.0.0.{i}:80", MetricsSnapshot(observed_at=clock.now(), waiting=100 * i))
     sched = build_scheduler(default_config(), default_registry(), clock, random.Random(0))
     return Director(ds, sched, EppMetrics(), clock)
 

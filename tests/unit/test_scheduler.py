@@ -6,11 +6,12 @@ import random
 
 import pytest
 
-from epp.config import build_scheduler, default_config, parse_config
+from epp.config import LOAD_AWARE_CONFIG_YAML, build_scheduler, default_config, parse_config
 from epp.scheduling.builtin import default_registry
 from epp.scheduling.errors import AllFilteredError, NoEndpointsError, PoolSaturatedError
 from epp.scheduling.scheduler import Scheduler
 from epp.testing.fakes import FakeClock, chat_request, endpoint
+from epp.types import PrefillWork
 
 NOW = 1000.0
 
@@ -23,23 +24,35 @@ def scheduler(yaml_text: str | None = None, seed: int = 0, clock: FakeClock | No
 @pytest.mark.parametrize(
     ("endpoints", "winner"),
     [
-        ([endpoint("a:1", waiting=5, kv_usage=0.5), endpoint("b:1", waiting=0, kv_usage=0.5)], "b:1"),
-        ([endpoint("a:1", waiting=1, kv_usage=0.9), endpoint("b:1", waiting=1, kv_usage=0.1)], "b:1"),
-        ([endpoint("a:1", in_flight=0), endpoint("b:1", in_flight=3)], "a:1"),
-        # queue (weight 2) outweighs a modest KV difference (weight 2 * 0.3)
-        ([endpoint("a:1", waiting=0, kv_usage=0.6), endpoint("b:1", waiting=4, kv_usage=0.3)], "a:1"),
+        # requests the engine reports waiting (routed by someone else)
+        ([endpoint("a:1", waiting=5), endpoint("b:1", waiting=0)], "b:1"),
+        # this EPP's own prefill backlog on a
+        ([endpoint("a:1", backlog=PrefillWork(2, 8000, 3.2e7)), endpoint("b:1")], "b:1"),
+        # decode interference from many running requests
+        ([endpoint("a:1", decoding=200, decoding_tokens=400_000), endpoint("b:1", decoding=1)], "b:1"),
+        # a's free KV cannot hold the prompt: it waits for running requests to free blocks
+        (
+            [
+                endpoint("a:1", kv_usage=0.99, num_gpu_blocks=100, block_size=16, running=8),
+                endpoint("b:1", kv_usage=0.1, num_gpu_blocks=100, block_size=16, running=8),
+            ],
+            "b:1",
+        ),
         # the stale endpoint is filtered even though it looks idle
         ([endpoint("a:1", observed_at=NOW - 5), endpoint("b:1", waiting=3, kv_usage=0.7)], "b:1"),
     ],
 )
-def test_default_profile_is_load_aware(endpoints: list, winner: str) -> None:  # type: ignore[type-arg]
-    result = scheduler().schedule(chat_request(), endpoints)
-    assert result.decision.primary == winner
-    assert result.decision.profile == "default"
+def test_default_profile_picks_the_smallest_estimated_ttft(endpoints: list, winner: str) -> None:  # type: ignore[type-arg]
+    for seed in range(5):  # not a tie
+        result = scheduler(seed=seed).schedule(chat_request("x" * 400), endpoints)
+        assert result.decision.primary == winner
+        assert result.decision.profile == "default"
+        assert result.decision.mode == "load-only"
+        assert set(result.decision.estimates) == {e.id for e in endpoints if e.metrics_age(NOW) < 2}
 
 
 def test_scores_are_the_weighted_sum_of_clamped_scores() -> None:
-    s = scheduler()
+    s = scheduler(LOAD_AWARE_CONFIG_YAML)
     d = s.schedule(
         chat_request(), [endpoint("a:1", waiting=0, kv_usage=0.25), endpoint("b:1", waiting=2)]
     ).decision
@@ -113,7 +126,7 @@ def test_plugin_timings_are_reported_with_a_timer() -> None:
     result = s.schedule(chat_request(), [endpoint("a:1")])
     points = [(t[0], t[1]) for t in result.timings]
     assert ("Filter", "metrics-staleness-filter") in points
-    assert ("Scorer", "queue-scorer") in points
+    assert ("Scorer", "ttft-scorer") in points
     assert ("Picker", "max-score-picker") in points
 
 

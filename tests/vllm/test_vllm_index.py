@@ -61,7 +61,7 @@ async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT
 
 
 def epp_server(engine: VllmEngine) -> EppServer:
-    cfg = default_config(kv_events=True)
+    cfg = default_config()
     cfg = replace(
         cfg,
         kv_events=KvEventsConfig(

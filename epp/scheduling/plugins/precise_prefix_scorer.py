@@ -11,17 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 
-from epp.kvindex.freshness import Freshness
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.framework import CycleState, PluginHandle
+from epp.scheduling.plugins.cache_mode import creditable, load_only
+from epp.scheduling.plugins.prompt_keys import prompt_keys
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
 from epp.types import Endpoint, InferenceRequest
-
-KEYS = "prompt_block_keys"
-"""CycleState key: the prompt's block keys, computed once per cycle for every plugin."""
-
 
 DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.5}
 
@@ -29,14 +25,6 @@ DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.5}
 class PrecisePrefixParams(Params):
     tier_weights: dict[str, float] = msgspec.field(default_factory=dict)  # merged over DEFAULT_TIER_WEIGHTS
     unknown_tier_weight: float = 0.0
-
-
-def prompt_keys(state: CycleState, request: InferenceRequest, service: KvIndexService) -> np.ndarray | None:
-    """The prompt's block keys, computed once per scheduling cycle and shared by plugins."""
-    if KEYS not in state.data:
-        state.data[KEYS] = service.prompt_keys(request)
-    keys: np.ndarray | None = state.data[KEYS]
-    return keys
 
 
 class PrecisePrefixCacheScorer:
@@ -55,13 +43,12 @@ class PrecisePrefixCacheScorer:
     ) -> list[float]:
         keys = prompt_keys(state, request, self.service)
         n = 0 if keys is None else len(keys)
-        if n == 0:
+        if keys is None:
+            load_only(state)
             return [0.0] * len(endpoints)
-        fresh = self.service.freshness
-        pods = [e.id for e in endpoints if fresh.state(e.id, state.now).state is not Freshness.STALE]
-        if not pods:
+        pods = creditable(state, self.service, endpoints)
+        if not pods or n == 0:
             return [0.0] * len(endpoints)
-        assert keys is not None
         held = self.service.index.lookup_weighted(keys, pods, self.weights, self.unknown)
         return [held.get(e.id, 0.0) / n for e in endpoints]
 

@@ -1,0 +1,118 @@
+"""Online calibration of the prefill and queue coefficients from observed times to first byte. Pure.
+
+Each routed request gives one observation: the estimate's nominal prefill term `P` and queue
+term `Q` (before scaling), its unscaled terms `R` (reload + decode), and the observed time
+to first byte `y`. The calibrator fits `y - R ~ kp * P + kq * Q` by recursive least squares
+with exponential forgetting (`forgetting` 0.99 ~ the last ~100 observations weigh most), on
+observations divided by their predicted size (so a 20 ms and a 2 s request count alike). It
+is robust and bounded:
+
+- a residual beyond `outlier_threshold` times the running residual scale is down-weighted
+  (Huber) and counted as an outlier, so a stalled request cannot drag the fit;
+- the scales stay within `[min_scale, max_scale]`, and the covariance is capped so a
+  direction that is never excited (no queue yet) does not wind up;
+- observations that cannot be right (non-finite, <= 0, over `max_observation_s`) are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_P0 = 100.0  # initial (and maximum) variance of each scale
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSettings:
+    enabled: bool = True
+    forgetting: float = 0.99
+    min_scale: float = 0.05
+    max_scale: float = 20.0
+    outlier_threshold: float = 3.0
+    warmup: int = 8  # observations before outliers are judged
+    max_observation_s: float = 600.0
+
+    def check(self) -> tuple[str, str] | None:
+        if not 0.5 <= self.forgetting <= 1.0:
+            return "forgetting", f"must be in [0.5, 1], got {self.forgetting}"
+        if not 0 < self.min_scale <= 1.0 <= self.max_scale or not math.isfinite(self.max_scale):
+            return "minScale", "need 0 < minScale <= 1 <= maxScale (finite)"
+        if not self.outlier_threshold > 0:
+            return "outlierThreshold", "must be > 0"
+        if self.warmup < 0:
+            return "warmup", "must be >= 0"
+        return None
+
+
+class Calibrator:
+    """(prefill scale, queue scale) for one model, fitted online."""
+
+    def __init__(self, settings: CalibrationSettings | None = None) -> None:
+        self.settings = settings or CalibrationSettings()
+        self.prefill_scale = 1.0
+        self.queue_scale = 1.0
+        self._p = [[_P0, 0.0], [0.0, _P0]]
+        self._sigma: float | None = None
+        self.observations = 0
+        self.outliers = 0
+        self.ignored = 0
+
+    def observe(self, prefill_nominal: float, queue_nominal: float, rest: float, actual: float) -> bool:
+        """Fold in one observation; returns False when it was ignored."""
+        s = self.settings
+        values = (prefill_nominal, queue_nominal, rest, actual)
+        if (
+            not s.enabled
+            or not all(math.isfinite(v) for v in values)
+            or actual <= 0
+            or actual > s.max_observation_s
+            or prefill_nominal < 0
+            or queue_nominal < 0
+            or prefill_nominal + queue_nominal <= 0
+        ):
+            self.ignored += 1
+            return False
+        norm = max(prefill_nominal + queue_nominal + max(rest, 0.0), 1e-6)
+        x0, x1 = prefill_nominal / norm, queue_nominal / norm
+        y = (actual - rest) / norm
+        err = y - (self.prefill_scale * x0 + self.queue_scale * x1)
+        weight = 1.0
+        sigma = self._sigma
+        if sigma is not None and self.observations >= s.warmup:
+            limit = s.outlier_threshold * max(sigma, 0.02)
+            if abs(err) > limit:
+                weight = limit / abs(err)
+                self.outliers += 1
+        clipped = abs(err) if sigma is None else min(abs(err), s.outlier_threshold * max(sigma, 0.02))
+        self._sigma = clipped if sigma is None else 0.95 * sigma + 0.05 * clipped
+        lam = s.forgetting
+        p = self._p
+        px0 = p[0][0] * x0 + p[0][1] * x1
+        px1 = p[1][0] * x0 + p[1][1] * x1
+        denom = lam / weight + x0 * px0 + x1 * px1
+        k0, k1 = px0 / denom, px1 / denom
+        self.prefill_scale = _clamp(self.prefill_scale + k0 * err, s.min_scale, s.max_scale)
+        self.queue_scale = _clamp(self.queue_scale + k1 * err, s.min_scale, s.max_scale)
+        # P = (P - K x^T P) / lambda, symmetric; cap the variances (no wind-up).
+        a = (p[0][0] - k0 * px0) / lam
+        b = (p[0][1] - k0 * px1) / lam
+        d = (p[1][1] - k1 * px1) / lam
+        a, d = min(a, _P0), min(d, _P0)
+        b = max(-math.sqrt(a * d), min(b, math.sqrt(a * d)))
+        self._p = [[a, b], [b, d]]
+        self.observations += 1
+        return True
+
+    def snapshot(self) -> dict[str, float]:
+        return {
+            "prefill_scale": self.prefill_scale,
+            "queue_scale": self.queue_scale,
+            "observations": self.observations,
+            "outliers": self.outliers,
+            "ignored": self.ignored,
+            "residual_scale": self._sigma or 0.0,
+        }
+
+
+def _clamp(v: float, lo: float, hi: float) -> float:
+    return lo if v < lo else hi if v > hi else v

@@ -1,0 +1,138 @@
+"""The cost model as the scheduler and the server use it: one profile and one calibrator per model. Pure.
+
+Built once from the config's `costModel` section and handed to plugins through
+`PluginHandle.services` (key `SERVICE_KEY`); the server feeds it observed times to first
+byte, the simulator does the same from simulated responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from epp.costmodel.calibration import CalibrationSettings, Calibrator
+from epp.costmodel.estimate import estimate_ttft, tier_order
+from epp.costmodel.profile import (
+    DEFAULT_REFERENCE,
+    REFERENCE_PROFILES,
+    ModelProfile,
+    ProfileError,
+    build_profile,
+)
+from epp.types import Endpoint, TtftEstimate
+
+SERVICE_KEY = "cost_model"
+ANY_MODEL = "*"
+
+
+class _Struct(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    pass
+
+
+class CalibrationSpec(_Struct):
+    enabled: bool = True
+    forgetting: float = 0.99
+    min_scale: float = 0.05
+    max_scale: float = 20.0
+    outlier_threshold: float = 3.0
+    warmup: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelSettings:
+    profiles: Mapping[str, ModelProfile] = field(
+        default_factory=lambda: {ANY_MODEL: REFERENCE_PROFILES[DEFAULT_REFERENCE]}
+    )
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+
+
+def parse_cost_model(raw: Mapping[str, Any] | None) -> CostModelSettings:
+    """The `costModel` config section: `profiles` (list) and `calibration`. Raises ProfileError."""
+    if raw is None:
+        return CostModelSettings()
+    unknown = set(raw) - {"profiles", "calibration"}
+    if unknown:
+        raise ProfileError(sorted(unknown)[0], "unknown field (costModel takes profiles and calibration)")
+    profiles: dict[str, ModelProfile] = {}
+    entries = raw.get("profiles") or []
+    if not isinstance(entries, list):
+        raise ProfileError("profiles", "must be a list of profiles")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ProfileError(f"profiles[{i}]", "must be a mapping")
+        try:
+            model, profile = build_profile(entry)
+        except ProfileError as err:
+            raise ProfileError(f"profiles[{i}].{err.field}", err.message) from None
+        if model in profiles:
+            raise ProfileError(f"profiles[{i}].model", f"duplicate profile for model {model!r}")
+        profiles[model] = profile
+    profiles.setdefault(ANY_MODEL, REFERENCE_PROFILES[DEFAULT_REFERENCE])
+    try:
+        c = msgspec.convert(raw.get("calibration") or {}, CalibrationSpec, strict=False)
+    except msgspec.ValidationError as err:
+        text = str(err)
+        where = text.split("`$.", 1)[1].rstrip("`") if "`$." in text else ""
+        raise ProfileError(f"calibration.{where}".rstrip("."), text.split(" - at ")[0]) from None
+    settings = CalibrationSettings(
+        c.enabled, c.forgetting, c.min_scale, c.max_scale, c.outlier_threshold, c.warmup
+    )
+    problem = settings.check()
+    if problem is not None:
+        raise ProfileError(f"calibration.{problem[0]}", problem[1])
+    return CostModelSettings(profiles, settings)
+
+
+class CostModel:
+    def __init__(self, settings: CostModelSettings | None = None) -> None:
+        self.settings = settings or CostModelSettings()
+        self._calibrators: dict[str, Calibrator] = {}
+        self._orders = {name: tier_order(p) for name, p in self.settings.profiles.items()}
+
+    def profile_key(self, model: str) -> str:
+        return model if model in self.settings.profiles else ANY_MODEL
+
+    def profile(self, model: str) -> ModelProfile:
+        return self.settings.profiles[self.profile_key(model)]
+
+    def calibrator(self, model: str) -> Calibrator:
+        c = self._calibrators.get(model)
+        if c is None:
+            c = self._calibrators[model] = Calibrator(self.settings.calibration)
+        return c
+
+    def estimate(
+        self, model: str, endpoint: Endpoint, prompt_tokens: int, held_tokens: Mapping[str, int] | None
+    ) -> TtftEstimate:
+        key = self.profile_key(model)
+        c = self._calibrators.get(model)
+        return estimate_ttft(
+            self.settings.profiles[key],
+            endpoint,
+            prompt_tokens,
+            held_tokens,
+            c.prefill_scale if c else 1.0,
+            c.queue_scale if c else 1.0,
+            self._orders[key],
+        )
+
+    def observe(self, model: str, estimate: TtftEstimate, actual_s: float) -> bool:
+        """An observed time to first token for a request routed with `estimate`."""
+        return self.calibrator(model).observe(
+            estimate.prefill_nominal_s,
+            estimate.queue_nominal_s,
+            estimate.reload_s + estimate.decode_s,
+            actual_s,
+        )
+
+    def coefficients(self) -> dict[str, dict[str, float]]:
+        """Per model seen so far: fitted scales and the effective prefill seconds per token."""
+        out: dict[str, dict[str, float]] = {}
+        for model, c in sorted(self._calibrators.items()):
+            snap = c.snapshot()
+            snap["prefill_seconds_per_token"] = self.profile(model).prefill_per_token_s * c.prefill_scale
+            out[model] = snap
+        return out
