@@ -36,6 +36,7 @@ _KNOBS = (
     "response_delay",
     "fail_status",
     "auto_running",
+    "prefill_per_token",
 )
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 
@@ -89,6 +90,7 @@ class FakeModelServer:
         response_delay: float = 0.0,
         fail_status: int | None = None,
         auto_running: bool = False,
+        prefill_per_token: float = 0.0,
         block_size: int = 16,
         num_gpu_blocks: int = 4096,
     ) -> None:
@@ -105,6 +107,7 @@ class FakeModelServer:
         self.response_delay = response_delay  # seconds before the response starts
         self.fail_status = fail_status  # answer inference requests with this status when set
         self.auto_running = auto_running  # report running + in-flight requests
+        self.prefill_per_token = prefill_per_token  # seconds per prompt token before the response starts
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         # Observations.
@@ -222,8 +225,9 @@ class FakeModelServer:
         return web.Response(status=status, text=json.dumps(err), headers=self._headers("application/json"))
 
     async def _answer(self, request: web.Request, payload: Any | None) -> web.StreamResponse:
-        if self.response_delay > 0:
-            await self._sleep(self.response_delay)
+        delay = self.response_delay + self.prefill_per_token * math.ceil(_prompt_chars(payload) / 4)
+        if delay > 0:
+            await self._sleep(delay)
         if self.fail_status is not None:
             return self._error(self.fail_status, "injected failure")
         if not isinstance(payload, dict):

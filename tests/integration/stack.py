@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -9,10 +10,11 @@ from typing import Any
 
 import aiohttp
 
-from epp.config import EppConfig, StaticEndpoint, default_config
+from epp.config import EppConfig, KvEventsConfig, StaticEndpoint, default_config
 from epp.server.app import EppServer, ServerSettings
 from epp.testing.backend import FakeModelServer, start_backends, stop_backends
-from epp.testing.envoy import EnvoyConfig, EnvoyProcess
+from epp.testing.envoy import EnvoyConfig, EnvoyProcess, free_port
+from epp.testing.kv_publisher import KvEventPublisher
 from epp.testing.wait import eventually
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
@@ -113,3 +115,64 @@ async def stack(
         await proc.stop()
         await epp.stop(grace=0.2)
         await stop_backends(backends)
+
+
+BS = 16
+MODEL = "tiny"
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+@contextlib.asynccontextmanager
+async def kv_cluster(
+    tokenizer_dir: str | None = None,
+    *,
+    config: EppConfig | None = None,
+    backend_kwargs: dict[str, Any] | None = None,
+    envoy: EnvoyConfig | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """Three fake engines on their own loopback addresses, each with a real ZeroMQ KV-event publisher;
+    the EPP subscribed per pod; a real Envoy in front. Keys of the yielded dict: epp, envoy, backends,
+    pubs, session."""
+    port, events = free_port(), free_port()
+    backends = [
+        FakeModelServer(f"pod-{i}", host=h, port=port, model=MODEL, **(backend_kwargs or {}))
+        for i, h in enumerate(HOSTS)
+    ]
+    for b in backends:
+        await b.start()
+    pubs = [
+        await KvEventPublisher(f"tcp://{h}:{events}", topic=f"kv@{h}:{port}@{MODEL}").start() for h in HOSTS
+    ]
+    cfg = config or default_config()
+    cfg = replace(
+        cfg,
+        kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=0.05),
+        tokenizers={MODEL: tokenizer_dir} if tokenizer_dir else dict(cfg.tokenizers),
+    )
+    settings = ServerSettings(
+        host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0, secure_serving=False, seed=3
+    )
+    epp = EppServer(settings, cfg, [StaticEndpoint(b.address, MODEL) for b in backends])
+    await epp.start()
+    proc = EnvoyProcess(replace(envoy or EnvoyConfig(), epp_port=epp.grpc_port))
+    try:
+        await proc.start()
+        async with aiohttp.ClientSession() as session:
+            # Every pod's publisher reaches the EPP (ZeroMQ's slow joiner) before the test starts.
+            for _ in range(500):
+                for p in pubs:
+                    await p.publish([])
+                if all(b.address in epp.ingest.last_seq for b in backends):
+                    break
+                await asyncio.sleep(0.01)
+            await eventually(
+                lambda: all(r.metrics is not None for r in epp.datastore.records()), "every endpoint scraped"
+            )
+            yield {"epp": epp, "envoy": proc, "backends": backends, "pubs": pubs, "session": session}
+    finally:
+        await proc.stop()
+        await epp.stop(grace=0.2)
+        for p in pubs:
+            await p.stop()
+        for b in backends:
+            await b.stop()

@@ -3,71 +3,16 @@ the real Envoy, to the pod that holds it."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import pathlib
-from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
-import aiohttp
-
-from epp.config import KvEventsConfig, StaticEndpoint, default_config
 from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import PromptTokenizer
-from epp.server.app import EppServer, ServerSettings
-from epp.testing.backend import FakeModelServer
-from epp.testing.envoy import EnvoyConfig, EnvoyProcess, free_port
 from epp.testing.kv_publisher import KvEventPublisher, stored
 from epp.testing.tokenizer import build_tiny_tokenizer
 
-from .stack import eventually
-
-BS = 16
-HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-MODEL = "tiny"
-
-
-@contextlib.asynccontextmanager
-async def cluster(tokenizer_dir: str | None = None) -> AsyncIterator[dict[str, Any]]:
-    port, events = free_port(), free_port()
-    backends = [FakeModelServer(f"pod-{i}", host=h, port=port, model=MODEL) for i, h in enumerate(HOSTS)]
-    for b in backends:
-        await b.start()
-    pubs = [
-        await KvEventPublisher(f"tcp://{h}:{events}", topic=f"kv@{h}:{port}@{MODEL}").start() for h in HOSTS
-    ]
-    cfg = default_config()
-    cfg = replace(
-        cfg,
-        kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=0.05),
-        tokenizers={MODEL: tokenizer_dir} if tokenizer_dir else {},
-    )
-    settings = ServerSettings(
-        host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0, secure_serving=False, seed=3
-    )
-    epp = EppServer(settings, cfg, [StaticEndpoint(b.address, MODEL) for b in backends])
-    await epp.start()
-    envoy = EnvoyProcess(EnvoyConfig(epp_port=epp.grpc_port))
-    try:
-        await envoy.start()
-        async with aiohttp.ClientSession() as session:
-            # Every pod's publisher reaches the EPP (ZeroMQ's slow joiner) before the test starts.
-            for _ in range(500):
-                for p in pubs:
-                    await p.publish([])
-                if all(b.address in epp.ingest.last_seq for b in backends):
-                    break
-                await asyncio.sleep(0.01)
-            yield {"epp": epp, "envoy": envoy, "backends": backends, "pubs": pubs, "session": session}
-    finally:
-        await envoy.stop()
-        await epp.stop(grace=0.2)
-        for p in pubs:
-            await p.stop()
-        for b in backends:
-            await b.stop()
+from .stack import BS, MODEL, eventually, kv_cluster
 
 
 async def post(c: dict[str, Any], path: str, body: dict[str, Any]) -> str:
@@ -84,7 +29,7 @@ async def publish_prompt(pub: KvEventPublisher, token_ids: list[int], first_hash
 
 
 async def test_token_id_prompt_goes_to_the_pod_holding_its_prefix() -> None:
-    async with cluster() as c:
+    async with kv_cluster() as c:
         epp = c["epp"]
         prompt = [(7 * i) % 5000 for i in range(40 * BS)]
         holder = c["backends"][1]
@@ -111,7 +56,7 @@ async def test_chat_prompt_is_tokenized_with_the_models_template(tmp_path: pathl
     ]
     ids = [int(t) for t in tokenizer.encode_chat(messages)]
     assert len(ids) >= 4 * BS
-    async with cluster(str(tok_dir)) as c:
+    async with kv_cluster(str(tok_dir)) as c:
         epp = c["epp"]
         holder = c["backends"][2]
         n = await publish_prompt(c["pubs"][2], ids, 77)
@@ -134,7 +79,7 @@ async def test_chat_prompt_is_tokenized_with_the_models_template(tmp_path: pathl
 
 
 async def test_stale_pods_get_no_cache_credit() -> None:
-    async with cluster() as c:
+    async with kv_cluster() as c:
         epp = c["epp"]
         prompt = [(11 * i) % 3000 for i in range(40 * BS)]
         holder = c["backends"][1]

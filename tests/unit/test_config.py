@@ -254,7 +254,9 @@ def test_the_default_profile_is_the_ttft_scorer_with_the_kv_index_when_there_is_
     from epp.scheduling.plugins.ttft_scorer import TtftScorer
 
     services = kv_services()
-    s = build_scheduler(default_config(), default_registry(), FakeClock(), random.Random(0), services=services)
+    s = build_scheduler(
+        default_config(), default_registry(), FakeClock(), random.Random(0), services=services
+    )
     [scorer] = s.profiles["default"].scorers
     assert scorer.type_name == "ttft-scorer"
     assert isinstance(scorer.scorer, TtftScorer) and scorer.scorer.kv is services["kv_index"]

@@ -10,12 +10,15 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
-from epp.config import build_scheduler, default_config
+from epp.config import EppConfig, build_scheduler, default_config, parse_config
+from epp.costmodel.service import SERVICE_KEY as COST_KEY
+from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.scheduling.builtin import default_registry
 from epp.server.director import Director
 from epp.server.ext_proc import MAX_CHUNK, RequestStream, subset_hint
 from epp.server.metrics import EppMetrics
+from epp.tenancy import TenantSalter
 from epp.testing.fakes import FakeClock
 from epp.types import MetricsSnapshot
 
@@ -23,20 +26,40 @@ DUPLEX, BUFFERED = 4, 2
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def director(n: int = 2) -> Director:
-    clock = FakeClock()
+def director(
+    n: int = 2,
+    config: EppConfig | None = None,
+    tenancy: TenantSalter | None = None,
+    decision_header: bool = False,
+    clock: FakeClock | None = None,
+) -> Director:
+    clock = clock or FakeClock()
     ds = Datastore(clock)
     for i in range(n):
         ds.add_endpoint(f"10.0.0.{i}:80")
         ds.record_metrics(f"10.0.0.{i}:80", MetricsSnapshot(observed_at=clock.now(), waiting=100 * i))
-    sched = build_scheduler(default_config(), default_registry(), clock, random.Random(0))
-    return Director(ds, sched, EppMetrics(), clock)
+    cost = CostModel()
+    sched = build_scheduler(
+        config or default_config(), default_registry(), clock, random.Random(0), services={COST_KEY: cost}
+    )
+    return Director(
+        ds,
+        sched,
+        EppMetrics(),
+        clock,
+        {"batch": -1},
+        cost=cost,
+        tenancy=tenancy,
+        decision_header=decision_header,
+    )
 
 
-def headers(eos: bool = False, mode: int = DUPLEX, subset: object = None) -> pb.ProcessingRequest:
+def headers(
+    eos: bool = False, mode: int = DUPLEX, subset: object = None, path: bytes = b"/v1/chat/completions"
+) -> pb.ProcessingRequest:
     hm = base_pb2.HeaderMap(
         headers=[
-            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+            base_pb2.HeaderValue(key=":path", raw_value=path),
             base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
         ]
     )
@@ -57,7 +80,7 @@ def body(data: bytes, eos: bool) -> pb.ProcessingRequest:
 
 def destination(resp: pb.ProcessingResponse) -> str:
     common = resp.request_headers.response if resp.HasField("request_headers") else resp.request_body.response
-    [h] = common.header_mutation.set_headers
+    [h] = [x for x in common.header_mutation.set_headers if x.header.key == "x-gateway-destination-endpoint"]
     assert (
         resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields[h.header.key].string_value
         == h.header.raw_value.decode()
@@ -164,3 +187,120 @@ def test_body_over_the_limit_is_413_and_nothing_is_held() -> None:
     [resp] = s.on_message(body(b"x" * 101, False))
     assert resp.immediate_response.status.code == 413
     assert s.done and not s.body and d.datastore.total_in_flight() == 0
+
+
+SALTER = TenantSalter("x-tenant-id", b"0123456789abcdef0123")
+
+
+def tenant_headers(mode: int, tenant: str | None = "acme") -> pb.ProcessingRequest:
+    req = headers(mode=mode, path=b"/v1/completions")
+    if tenant is not None:
+        req.request_headers.headers.headers.append(
+            base_pb2.HeaderValue(key="x-tenant-id", raw_value=tenant.encode())
+        )
+    return req
+
+
+def set_header(common: pb.CommonResponse, key: str) -> str | None:
+    found = [h.header.raw_value.decode() for h in common.header_mutation.set_headers if h.header.key == key]
+    return found[0] if found else None
+
+
+def test_tenant_salt_replaces_the_clients_and_the_length_follows_in_duplex_mode() -> None:
+    s = RequestStream(director(tenancy=SALTER), 1 << 30)
+    sent = json.dumps({"model": "m", "prompt": "hi", "cache_salt": "mine"}).encode()
+    s.on_message(tenant_headers(DUPLEX))
+    out = list(s.on_message(body(sent, True)))
+    forwarded = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in out[1:])
+    doc = json.loads(forwarded)
+    assert doc == {"model": "m", "prompt": "hi", "cache_salt": SALTER.salt("acme")}
+    assert set_header(out[0].request_headers.response, "content-length") == str(len(forwarded))
+    assert s.routed is not None and s.routed.request.cache_salt == SALTER.salt("acme")
+
+
+def test_tenant_salt_in_buffered_mode_rewrites_the_body_response() -> None:
+    s = RequestStream(director(tenancy=SALTER), 1 << 30)
+    s.on_message(tenant_headers(BUFFERED))
+    [resp] = s.on_message(body(BODY, True))
+    new = resp.request_body.response.body_mutation.body
+    assert json.loads(new)["cache_salt"] == SALTER.salt("acme")
+    assert set_header(resp.request_body.response, "content-length") == str(len(new))
+
+
+def test_streamed_mode_cannot_carry_a_tenant_salt_and_says_so() -> None:
+    d = director(tenancy=SALTER)
+    s = RequestStream(d, 1 << 30)
+    s.on_message(tenant_headers(1))
+    [resp] = s.on_message(body(BODY, True))
+    assert resp.immediate_response.status.code == 500
+    assert b"request_body_mode" in resp.immediate_response.body
+    assert s.done and d.datastore.total_in_flight() == 0
+
+
+def test_a_missing_tenant_header_is_403_when_required() -> None:
+    strict = TenantSalter("x-tenant-id", b"0123456789abcdef0123", missing="reject")
+    d = director(tenancy=strict)
+    s = RequestStream(d, 1 << 30)
+    s.on_message(tenant_headers(DUPLEX, tenant=None))
+    [resp] = s.on_message(body(BODY, True))
+    assert resp.immediate_response.status.code == 403
+    assert b"TenantRequired" in resp.immediate_response.body
+    assert d.datastore.total_in_flight() == 0
+
+
+SLO_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins: [{type: ttft-scorer}]
+schedulingProfiles: [{name: d, plugins: [{pluginRef: ttft-scorer}]}]
+saturationDetector: {queueDepthThreshold: 100000}
+admission: {ttftSlo: 0.5s}
+"""
+
+
+def test_slo_breach_for_a_sheddable_request_is_429_with_retry_after() -> None:
+    d = director(n=1, config=parse_config(SLO_CONFIG, "slo.yaml"))
+    d.datastore.record_metrics("10.0.0.0:80", MetricsSnapshot(observed_at=d.clock.now(), waiting=200))
+    s = RequestStream(d, 1 << 30)
+    req = headers()
+    req.request_headers.headers.headers.append(
+        base_pb2.HeaderValue(key="x-gateway-inference-objective", raw_value=b"batch")
+    )
+    s.on_message(req)
+    [resp] = s.on_message(body(BODY, True))
+    ir = resp.immediate_response
+    assert ir.status.code == 429
+    retry = {h.header.key: h.header.raw_value.decode() for h in ir.headers.set_headers}["retry-after"]
+    assert 1 <= int(retry) <= 60
+    assert d.datastore.total_in_flight() == 0
+
+
+def response_headers(status: bytes = b"200", sse: bool = True) -> pb.ProcessingRequest:
+    hs = [base_pb2.HeaderValue(key=":status", raw_value=status)]
+    if sse:
+        hs.append(base_pb2.HeaderValue(key="content-type", raw_value=b"text/event-stream"))
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs)))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_prefill_backlog_moves_to_decoding_at_the_first_byte_and_streams_calibrate(stream: bool) -> None:
+    clock = FakeClock()
+    d = director(clock=clock, decision_header=True)
+    s = RequestStream(d, 1 << 30)
+    s.on_message(headers(path=b"/v1/completions"))
+    sent = json.dumps({"model": "m", "prompt": list(range(500)), "stream": stream}).encode()
+    s.on_message(body(sent, True))
+    assert s.routed is not None
+    rec = d.datastore.get(s.routed.decision.primary)
+    assert rec is not None and rec.prefill_backlog.requests == 1 and rec.prefill_backlog.tokens == 500
+    [rh] = s.on_message(response_headers(sse=stream))
+    explained = set_header(rh.response_headers.response, "x-epp-decision")
+    assert explained is not None and explained.startswith(f"endpoint={s.routed.decision.primary}; ")
+    clock.advance(0.05)
+    s.on_message(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: {}\n\n", end_of_stream=False)))
+    assert rec.prefill_backlog.requests == 0 and rec.decoding_requests == 1
+    assert d.cost is not None
+    observed = d.cost.coefficients().get("m", {}).get("observations", 0)
+    assert observed == (1 if stream else 0)  # a buffered response's first byte is not its first token
+    s.on_message(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
+    assert rec.decoding_requests == 0 and rec.in_flight_requests == 0
