@@ -7,14 +7,14 @@ byte, the simulator does the same from simulated responses.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from epp.costmodel.calibration import CalibrationSettings, Calibrator
-from epp.costmodel.estimate import estimate_ttft, tier_order
+from epp.costmodel.estimate import F64, EstimateTable, estimate_all, estimate_ttft, tier_order
 from epp.costmodel.profile import (
     DEFAULT_REFERENCE,
     REFERENCE_PROFILES,
@@ -118,6 +118,30 @@ class CostModel:
             c.queue_scale if c else 1.0,
             self._orders[key],
         )
+
+    def estimate_all(
+        self,
+        model: str,
+        endpoints: Sequence[Endpoint],
+        prompt_tokens: int,
+        held_tokens: Mapping[str, F64] | None,
+    ) -> EstimateTable:
+        """Every candidate at once; `held_tokens`: tier -> tokens per endpoint (aligned arrays)."""
+        key = self.profile_key(model)
+        c = self._calibrators.get(model)
+        return estimate_all(
+            self.settings.profiles[key],
+            endpoints,
+            prompt_tokens,
+            held_tokens,
+            c.prefill_scale if c else 1.0,
+            c.queue_scale if c else 1.0,
+            self._orders[key],
+        )
+
+    def tier_order(self, model: str) -> list[str]:
+        """The model's slower tiers, fastest reload first."""
+        return self._orders[self.profile_key(model)]
 
     def observe(self, model: str, estimate: TtftEstimate, actual_s: float) -> bool:
         """An observed time to first token for a request routed with `estimate`."""

@@ -11,9 +11,20 @@ from epp.cli import main
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_check_config_accepts_the_example(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check-config", str(ROOT / "examples" / "epp.yaml")]) == 0
+@pytest.mark.parametrize("name", ["epp.yaml", "load-aware.yaml"])
+def test_check_config_accepts_the_examples(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(ROOT / "examples" / name)]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_the_examples_match_the_built_in_profiles() -> None:
+    from epp.config import DEFAULT_CONFIG_YAML, LOAD_AWARE_CONFIG_YAML, load_config, parse_config
+
+    for name, text in (("epp.yaml", DEFAULT_CONFIG_YAML), ("load-aware.yaml", LOAD_AWARE_CONFIG_YAML)):
+        example = load_config(str(ROOT / "examples" / name)).doc
+        built_in = parse_config(text).doc
+        assert [p.type for p in example.plugins] == [p.type for p in built_in.plugins]
+        assert example.scheduling_profiles == built_in.scheduling_profiles
 
 
 def test_check_config_names_the_problem(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:

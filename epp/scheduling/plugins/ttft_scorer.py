@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
+from epp.costmodel.estimate import F64
 from epp.costmodel.profile import ModelProfile
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
@@ -27,7 +30,7 @@ from epp.scheduling.framework import ESTIMATES, FASTEST, CycleState, PluginHandl
 from epp.scheduling.plugins.cache_mode import creditable, load_only
 from epp.scheduling.plugins.prompt_keys import prompt_info
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
-from epp.types import Endpoint, InferenceRequest, TtftEstimate
+from epp.types import Endpoint, InferenceRequest
 
 
 class TtftParams(Params):
@@ -59,8 +62,9 @@ class TtftScorer:
 
     def _held(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
-    ) -> tuple[int, dict[str, dict[str, int]]]:
-        """(prompt tokens, {pod: tokens of its cached prefix by best tier}) for pods given credit."""
+    ) -> tuple[int, dict[str, F64]]:
+        """(prompt tokens, tier -> tokens of each candidate's cached prefix whose best copy is on that
+        tier, aligned with `endpoints`); no tiers when no candidate gets cache credit."""
         kv = self.kv
         if kv is None:
             load_only(state)
@@ -72,27 +76,32 @@ class TtftScorer:
         pods = creditable(state, kv, endpoints)
         if not pods or len(keys) == 0:
             return tokens, {}
-        key = self.cost.profile_key(request.model)
-        rank = self._ranks.get(key)
+        model = request.model
+        rank = self._ranks.get(model)
         if rank is None:
-            rank = self._ranks[key] = _tier_rank(self.cost.profile(request.model))
+            rank = self._ranks[model] = _tier_rank(self.cost.profile(model))
         blocks = kv.index.lookup_by_best_tier(keys, pods, lambda t: rank.get(t, -1.0))
         bs = kv.block_size
-        return tokens, {pod: {t: n * bs for t, n in by_tier.items()} for pod, by_tier in blocks.items()}
+        empty: dict[str, int] = {}
+        held = [blocks.get(e.id, empty) for e in endpoints]
+        out: dict[str, F64] = {}
+        for tier in ("gpu", *self.cost.tier_order(model)):
+            if any(tier in h for h in held):
+                out[tier] = np.array([h.get(tier, 0) * bs for h in held], dtype=np.float64)
+        return tokens, out
 
     def score(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
     ) -> list[float]:
         tokens, held = self._held(state, request, endpoints)
-        estimate = self.cost.estimate
-        model = request.model
-        ests: list[TtftEstimate] = [estimate(model, e, tokens, held.get(e.id)) for e in endpoints]
-        times = [x.ttft_s for x in ests]
-        best = min(times)
-        state.data[ESTIMATES] = {e.id: x for e, x in zip(endpoints, ests, strict=True)}
+        table = self.cost.estimate_all(request.model, endpoints, tokens, held)
+        times = table.ttft
+        best = float(times.min())
+        state.data[ESTIMATES] = table
         state.data[FASTEST] = best
         cut = best + max(best * self.band, self.band_s)
-        return [1.0 if t <= cut else best / t for t in times]
+        scores: list[float] = np.where(times <= cut, 1.0, best / times).tolist()
+        return scores
 
 
 def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
