@@ -22,6 +22,7 @@ your own figures for anything else.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -111,6 +112,16 @@ REFERENCE_PROFILES: dict[str, ModelProfile] = {
 DEFAULT_REFERENCE = "llama-3.1-8b-h100"
 
 
+def validation_field(err: msgspec.ValidationError) -> tuple[str, str]:
+    """(field path, message) of a msgspec error: the `$.a.b` path, or the unknown field's name."""
+    text = str(err)
+    message = text.split(" - at ")[0]
+    if "`$." in text:
+        return text.split("`$.", 1)[1].rstrip("`"), message
+    unknown = re.search(r"unknown field `([^`]*)`", text)
+    return (unknown.group(1) if unknown else ""), message
+
+
 class ProfileError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
@@ -175,9 +186,7 @@ def build_profile(raw: Mapping[str, Any] | ProfileSpec) -> tuple[str, ModelProfi
         try:
             spec = msgspec.convert(raw, ProfileSpec, strict=False)
         except msgspec.ValidationError as err:
-            text = str(err)
-            where = text.split("`$.", 1)[1].rstrip("`") if "`$." in text else ""
-            raise ProfileError(where, text.split(" - at ")[0]) from None
+            raise ProfileError(*validation_field(err)) from None
     base = REFERENCE_PROFILES.get(spec.reference)
     if base is None:
         raise ProfileError(

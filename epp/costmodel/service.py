@@ -21,6 +21,7 @@ from epp.costmodel.profile import (
     ModelProfile,
     ProfileError,
     build_profile,
+    validation_field,
 )
 from epp.types import Endpoint, TtftEstimate
 
@@ -38,7 +39,7 @@ class CalibrationSpec(_Struct):
     min_scale: float = 0.05
     max_scale: float = 20.0
     outlier_threshold: float = 3.0
-    warmup: int = 8
+    warmup: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ def parse_cost_model(raw: Mapping[str, Any] | None) -> CostModelSettings:
         try:
             model, profile = build_profile(entry)
         except ProfileError as err:
-            raise ProfileError(f"profiles[{i}].{err.field}", err.message) from None
+            raise ProfileError(f"profiles[{i}].{err.field}".rstrip("."), err.message) from None
         if model in profiles:
             raise ProfileError(f"profiles[{i}].model", f"duplicate profile for model {model!r}")
         profiles[model] = profile
@@ -74,9 +75,8 @@ def parse_cost_model(raw: Mapping[str, Any] | None) -> CostModelSettings:
     try:
         c = msgspec.convert(raw.get("calibration") or {}, CalibrationSpec, strict=False)
     except msgspec.ValidationError as err:
-        text = str(err)
-        where = text.split("`$.", 1)[1].rstrip("`") if "`$." in text else ""
-        raise ProfileError(f"calibration.{where}".rstrip("."), text.split(" - at ")[0]) from None
+        where, message = validation_field(err)
+        raise ProfileError(f"calibration.{where}".rstrip("."), message) from None
     settings = CalibrationSettings(
         c.enabled, c.forgetting, c.min_scale, c.max_scale, c.outlier_threshold, c.warmup
     )

@@ -1,0 +1,387 @@
+"""`ttft-scorer`: estimated TTFT per pod from the cost model and the KV index, the tie band, the pick
+mode, and the scenarios it exists for, through the scorer and through the default scheduler."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from epp.config import DEFAULT_CONFIG_YAML, build_scheduler, parse_config
+from epp.costmodel.estimate import estimate_ttft
+from epp.costmodel.profile import DEFAULT_REFERENCE, REFERENCE_PROFILES
+from epp.costmodel.service import SERVICE_KEY as COST_KEY
+from epp.costmodel.service import CostModel
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.keys import block_keys, root_key
+from epp.kvindex.prompt import TokenizerRegistry
+from epp.kvindex.service import SERVICE_KEY as KV_KEY
+from epp.kvindex.service import KvIndexService
+from epp.scheduling.builtin import default_registry
+from epp.scheduling.framework import ESTIMATES, FASTEST, MODE, CycleState, PluginHandle
+from epp.scheduling.registry import PluginParamsError
+from epp.scheduling.scheduler import Scheduler
+from epp.testing.fakes import FakeClock, chat_request, endpoint, token_request
+from epp.types import ApiKind, Endpoint, InferenceRequest, PrefillWork
+
+NOW = 1000.0
+P = REFERENCE_PROFILES[DEFAULT_REFERENCE]
+RANK = {"gpu": math.inf, **{t: c.bandwidth_bytes_per_s for t, c in P.tiers.items()}}
+
+
+def kv_service() -> KvIndexService:
+    return KvIndexService(BlockIndex(16, 100_000), FreshnessTracker(), TokenizerRegistry({}), 16)
+
+
+def hold(
+    svc: KvIndexService, pod: str, tokens: list[int], tier: str, first_hash: int, salt: str | None = None
+) -> None:
+    """The pod's engine stored these tokens' full blocks on `tier` (and its event stream is fresh)."""
+    n = len(tokens) // 16
+    hashes = list(range(first_hash, first_hash + n))
+    svc.index.store(pod, hashes, None, tokens, 16, tier, root_key("m", salt))
+    svc.freshness.message(pod, NOW)
+
+
+def fresh(svc: KvIndexService, *pods: str) -> None:
+    for pod in pods:
+        svc.freshness.message(pod, NOW)
+
+
+def make_scorer(services: dict[str, object] | None = None, params: dict[str, object] | None = None) -> object:
+    handle = PluginHandle(clock=FakeClock(NOW), rng=random.Random(0), services=dict(services or {}))
+    return default_registry().create("ttft-scorer", "ttft-scorer", params, handle)[1]
+
+
+def score(
+    scorer: object, request: InferenceRequest, endpoints: list[Endpoint]
+) -> tuple[list[float], CycleState]:
+    st = CycleState(now=NOW, rng=random.Random(0))
+    return list(scorer.score(st, request, endpoints)), st  # type: ignore[attr-defined]
+
+
+def scheduler(
+    services: dict[str, object] | None = None, yaml_text: str = DEFAULT_CONFIG_YAML, seed: int = 0
+) -> Scheduler:
+    cfg = parse_config(yaml_text, "test.yaml")
+    return build_scheduler(cfg, default_registry(), FakeClock(NOW), random.Random(seed), services=services)
+
+
+# -- BlockIndex.lookup_by_best_tier -------------------------------------------------------------------
+def _keys(prompt: list[int], salt: str | None = None) -> list[int]:
+    return block_keys(prompt, 16, root_key("m", salt)).tolist()  # type: ignore[no-any-return]
+
+
+def test_lookup_by_best_tier_counts_the_held_prefix_by_best_tier() -> None:
+    svc = kv_service()
+    prompt = list(range(8 * 16))
+    hold(svc, "a:1", prompt, "cpu", 1000)  # all 8 blocks on CPU
+    hold(svc, "a:1", prompt[: 3 * 16], "gpu", 2000)  # the first 3 also on GPU
+    hold(svc, "b:1", prompt[: 5 * 16], "storage", 3000)
+    hold(svc, "c:1", list(range(500, 500 + 64)), "gpu", 4000)  # known, holds none of this prompt
+    got = svc.index.lookup_by_best_tier(
+        _keys(prompt), ["a:1", "b:1", "c:1", "d:1"], lambda t: RANK.get(t, -1.0)
+    )
+    assert got["a:1"] == {"gpu": 3, "cpu": 5}  # a block on gpu and cpu counts as gpu
+    assert got["b:1"] == {"storage": 5}
+    assert got["c:1"] == {}
+    assert "d:1" not in got  # pods the index does not know are left out
+
+
+def test_lookup_by_best_tier_uses_the_given_rank() -> None:
+    svc = kv_service()
+    prompt = list(range(4 * 16))
+    hold(svc, "a:1", prompt, "cpu", 1000)
+    hold(svc, "a:1", prompt, "gpu", 2000)
+    assert svc.index.lookup_by_best_tier(_keys(prompt), ["a:1"], lambda t: RANK[t]) == {"a:1": {"gpu": 4}}
+    cpu_first = {"gpu": 1.0, "cpu": 2.0}
+    assert svc.index.lookup_by_best_tier(_keys(prompt), ["a:1"], lambda t: cpu_first[t]) == {
+        "a:1": {"cpu": 4}
+    }
+
+
+def test_lookup_by_best_tier_counts_only_the_consecutive_prefix() -> None:
+    svc = kv_service()
+    prompt = list(range(8 * 16))
+    hold(svc, "a:1", prompt, "gpu", 1000)
+    svc.index.remove("a:1", [1000 + 4], "gpu")  # the engine evicted block 4
+    got = svc.index.lookup_by_best_tier(_keys(prompt), ["a:1"], lambda t: RANK.get(t, -1.0))
+    assert got == {"a:1": {"gpu": 4}}
+    # a prompt that diverges after block 2 matches only those
+    other = prompt[: 2 * 16] + [7] * (6 * 16)
+    assert svc.index.lookup_by_best_tier(_keys(other), ["a:1"], lambda t: RANK[t]) == {"a:1": {"gpu": 2}}
+
+
+# -- the scorer ------------------------------------------------------------------------------------
+def test_without_an_index_the_estimate_is_load_only() -> None:
+    scorer = make_scorer()
+    req = chat_request("x" * 4000)
+    eps = [endpoint("a:1", waiting=3), endpoint("b:1")]
+    scores, st = score(scorer, req, eps)
+    n = req.prompt_tokens_estimate
+    ests = st.data[ESTIMATES]
+    assert st.data[MODE] == "load-only"
+    assert set(ests) == {"a:1", "b:1"}
+    assert ests["b:1"].ttft_s == pytest.approx(P.prefill_s(n, 0))
+    assert ests["a:1"].ttft_s == pytest.approx(estimate_ttft(P, eps[0], n).ttft_s)
+    assert st.data[FASTEST] == pytest.approx(ests["b:1"].ttft_s)
+    assert scores == pytest.approx([ests["b:1"].ttft_s / ests["a:1"].ttft_s, 1.0])
+
+
+def test_a_gpu_hit_on_an_idle_pod_wins_and_is_credited() -> None:
+    svc = kv_service()
+    prompt = list(range(4096))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    fresh(svc, "b:1")
+    scores, st = score(make_scorer({KV_KEY: svc}), token_request(prompt), [endpoint("a:1"), endpoint("b:1")])
+    ests = st.data[ESTIMATES]
+    assert st.data[MODE] == "cache-aware"
+    assert ests["a:1"].cached_tokens == 4095  # at most the prompt minus one token
+    assert ests["b:1"].cached_tokens == 0
+    assert scores[0] == 1.0
+    assert scores[1] == pytest.approx(ests["a:1"].ttft_s / ests["b:1"].ttft_s)
+
+
+def test_stale_pods_get_no_cache_credit_and_the_mode_says_degraded() -> None:
+    svc = kv_service()
+    prompt = list(range(4096))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    hold(svc, "b:1", prompt[:2048], "gpu", 10_000)
+    svc.freshness.disconnected("a:1", NOW)
+    scores, st = score(make_scorer({KV_KEY: svc}), token_request(prompt), [endpoint("a:1"), endpoint("b:1")])
+    ests = st.data[ESTIMATES]
+    assert st.data[MODE] == "degraded"
+    assert ests["a:1"].cached_tokens == 0  # it holds the whole prompt, but its index is stale
+    assert ests["b:1"].cached_tokens == 2048
+    assert scores[1] == 1.0 > scores[0]
+
+
+def test_a_degraded_pod_still_gets_credit() -> None:
+    svc = kv_service()
+    prompt = list(range(2048))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    fresh(svc, "b:1")
+    svc.freshness.problem("a:1", NOW, "orphans")
+    _, st = score(make_scorer({KV_KEY: svc}), token_request(prompt), [endpoint("a:1"), endpoint("b:1")])
+    assert st.data[MODE] == "degraded"
+    assert st.data[ESTIMATES]["a:1"].cached_tokens == 2047
+
+
+def test_every_pod_stale_is_load_only() -> None:
+    svc = kv_service()
+    prompt = list(range(2048))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    svc.freshness.disconnected("a:1", NOW)
+    # b:1 never published anything: unknown to the freshness tracker, so stale too
+    scores, st = score(make_scorer({KV_KEY: svc}), token_request(prompt), [endpoint("a:1"), endpoint("b:1")])
+    assert st.data[MODE] == "load-only"
+    assert [e.cached_tokens for e in st.data[ESTIMATES].values()] == [0, 0]
+    assert scores == [1.0, 1.0]
+
+
+def test_a_prompt_that_cannot_be_tokenized_is_load_only() -> None:
+    svc = kv_service()
+    fresh(svc, "a:1", "b:1")
+    req = InferenceRequest(
+        "r", ApiKind.COMPLETIONS, "m", prompt="text, no tokenizer", prompt_tokens_estimate=900
+    )
+    _, st = score(make_scorer({KV_KEY: svc}), req, [endpoint("a:1"), endpoint("b:1", waiting=1)])
+    assert st.data[MODE] == "load-only"
+    assert st.data[ESTIMATES]["a:1"].prompt_tokens == 900  # falls back to the request's estimate
+
+
+def test_cache_credit_off_ignores_the_index() -> None:
+    svc = kv_service()
+    prompt = list(range(4096))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    fresh(svc, "b:1")
+    scorer = make_scorer({KV_KEY: svc}, {"cacheCredit": False})
+    scores, st = score(scorer, token_request(prompt), [endpoint("a:1"), endpoint("b:1")])
+    assert st.data[MODE] == "load-only"
+    assert st.data[ESTIMATES]["a:1"].cached_tokens == 0
+    assert scores == [1.0, 1.0]
+
+
+def test_another_tenants_prefix_gives_no_affinity() -> None:
+    svc = kv_service()
+    prompt = list(range(4096))
+    hold(svc, "a:1", prompt, "gpu", 1, salt="t1-tenant-a")
+    fresh(svc, "b:1")
+    eps = [endpoint("a:1"), endpoint("b:1")]
+    _, st = score(make_scorer({KV_KEY: svc}), token_request(prompt, cache_salt="t1-tenant-b"), eps)
+    assert st.data[ESTIMATES]["a:1"].cached_tokens == 0
+    _, st = score(make_scorer({KV_KEY: svc}), token_request(prompt, cache_salt="t1-tenant-a"), eps)
+    assert st.data[ESTIMATES]["a:1"].cached_tokens == 4095
+
+
+def test_the_scorer_uses_the_shared_cost_model_and_its_calibration() -> None:
+    cm = CostModel()
+    ep = endpoint("a:1")
+    for _ in range(50):
+        cm.observe("m", cm.estimate("m", ep, 2000, None), 0.5 * P.prefill_s(2000, 0))
+    _, st = score(make_scorer({COST_KEY: cm}), token_request(list(range(2000))), [ep])
+    assert st.data[ESTIMATES]["a:1"].prefill_s == pytest.approx(0.5 * P.prefill_s(2000, 0), rel=0.02)
+
+
+# -- tie band --------------------------------------------------------------------------------------
+def _near_ties() -> tuple[list[Endpoint], list[float]]:
+    """a idle; b and c a few ms behind (inside the 5% band of a 4k-token prefill); d a queue behind."""
+    eps = [
+        endpoint("a:1"),
+        endpoint("b:1", backlog=P.work(16, 0)),
+        endpoint("c:1", backlog=P.work(64, 0)),
+        endpoint("d:1", backlog=P.work(2048, 0)),
+    ]
+    times = [estimate_ttft(P, e, 4096).ttft_s for e in eps]
+    return eps, times
+
+
+def test_near_ties_all_score_one_and_the_rest_score_best_over_ttft() -> None:
+    eps, times = _near_ties()
+    best = times[0]
+    assert best < times[1] < times[2] <= best * 1.05 < times[3]
+    scores, _ = score(make_scorer(), token_request(list(range(4096))), eps)
+    assert scores[:3] == [1.0, 1.0, 1.0]
+    assert scores[3] == pytest.approx(best / times[3])
+
+
+def test_tie_band_seconds_is_the_minimum_band() -> None:
+    # a tiny prompt: 5% of its TTFT is well below the 2 ms floor
+    eps = [endpoint("a:1"), endpoint("b:1", decoding=20), endpoint("c:1", decoding=80)]
+    times = [estimate_ttft(P, e, 32).ttft_s for e in eps]
+    assert times[0] * 0.05 < times[1] - times[0] < 0.002 < times[2] - times[0]
+    scores, _ = score(make_scorer(), token_request(list(range(32))), eps)
+    assert scores == pytest.approx([1.0, 1.0, times[0] / times[2]])
+
+
+def test_a_zero_band_keeps_only_the_strict_best_at_one() -> None:
+    eps, times = _near_ties()
+    scores, _ = score(
+        make_scorer(params={"tieBand": 0, "tieBandSeconds": 0}), token_request(list(range(4096))), eps
+    )
+    assert scores == pytest.approx([1.0] + [times[0] / t for t in times[1:]])
+    assert all(s < 1.0 for s in scores[1:])
+
+
+_ZERO_BAND_YAML = DEFAULT_CONFIG_YAML.replace(
+    "- type: ttft-scorer\n", "- type: ttft-scorer\n  parameters: {tieBand: 0, tieBandSeconds: 0}\n"
+)
+
+
+def _burst(yaml_text: str, seed: int) -> list[str]:
+    eps, _ = _near_ties()
+    s = scheduler(yaml_text=yaml_text, seed=seed)
+    return [s.schedule(token_request(list(range(4096))), eps).decision.primary for _ in range(90)]
+
+
+def test_a_burst_of_identical_requests_spreads_over_the_tied_pods_reproducibly() -> None:
+    picks = _burst(DEFAULT_CONFIG_YAML, seed=7)
+    counts = Counter(picks)
+    assert set(counts) == {"a:1", "b:1", "c:1"}  # never d, which is outside the band
+    assert min(counts.values()) >= 15
+    assert _burst(DEFAULT_CONFIG_YAML, seed=7) == picks
+    assert _burst(DEFAULT_CONFIG_YAML, seed=8) != picks
+
+
+def test_without_a_band_the_burst_herds_onto_the_fastest() -> None:
+    assert set(_burst(_ZERO_BAND_YAML, seed=7)) == {"a:1"}
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"tieBand": 1.5}, "tieBand"),
+        ({"tieBand": -0.1}, "tieBand"),
+        ({"tieBandSeconds": -1}, "tieBandSeconds"),
+        ({"tieBandSeconds": 11}, "tieBandSeconds"),
+    ],
+)
+def test_bad_band_parameters_name_the_field(params: dict[str, object], field: str) -> None:
+    with pytest.raises(PluginParamsError) as err:
+        make_scorer(params=params)
+    assert err.value.field == field
+
+
+def test_services_of_the_wrong_type_are_refused() -> None:
+    with pytest.raises(PluginParamsError):
+        make_scorer({COST_KEY: object()})
+    with pytest.raises(PluginParamsError):
+        make_scorer({KV_KEY: object()})
+
+
+# -- the scenarios through the default scheduler -----------------------------------------------------
+def test_default_profile_a_gpu_hit_behind_a_three_second_queue_loses_to_an_idle_pod() -> None:
+    svc = kv_service()
+    n = 4096
+    prompt = list(range(n))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    fresh(svc, "b:1")
+    waiting = math.ceil(3.0 / P.prefill_s(P.unknown_request_tokens, 0))
+    s = scheduler({KV_KEY: svc})
+    d = s.schedule(token_request(prompt), [endpoint("a:1", waiting=waiting), endpoint("b:1")]).decision
+    assert d.primary == "b:1"
+    assert d.mode == "cache-aware"
+    assert d.estimates["a:1"].cached_tokens == n - 1
+    assert d.estimates["a:1"].queue_s >= 3.0
+    assert d.estimates["b:1"].ttft_s == pytest.approx(P.prefill_s(n, 0))
+    # without the queue the hit wins
+    d = s.schedule(token_request(prompt), [endpoint("a:1"), endpoint("b:1")]).decision
+    assert d.primary == "a:1"
+
+
+def test_default_profile_cpu_tier_beats_recompute_for_a_long_prompt_not_a_short_one() -> None:
+    svc = kv_service()
+    long_prompt = list(range(16 * 1024))
+    hold(svc, "a:1", long_prompt, "cpu", 1)
+    fresh(svc, "b:1")
+    n = len(long_prompt)
+    savings = P.prefill_s(n, 0) - P.reload_s("cpu", n - 1) - P.prefill_s(1, n - 1)  # type: ignore[operator]
+    waiting = int(0.5 * savings / P.prefill_s(P.unknown_request_tokens, 0))
+    assert waiting >= 1
+    eps = [endpoint("a:1", waiting=waiting), endpoint("b:1")]
+    s = scheduler({KV_KEY: svc})
+    d = s.schedule(token_request(long_prompt), eps).decision
+    assert d.primary == "a:1"
+    assert d.estimates["a:1"].reloaded_tokens == n - 1
+    assert d.estimates["a:1"].reload_s == pytest.approx(P.reload_s("cpu", n - 1))
+
+    short = long_prompt[:32]  # the same prefix, two blocks of it
+    d = s.schedule(token_request(short), eps).decision
+    assert d.primary == "b:1"
+    assert d.estimates["a:1"].reloaded_tokens == 0
+
+
+def test_decision_carries_every_scored_candidates_estimate_and_the_mode() -> None:
+    eps = [endpoint("a:1", waiting=2), endpoint("b:1"), endpoint("c:1", observed_at=NOW - 10)]
+    d = scheduler().schedule(chat_request("y" * 2000), eps).decision
+    assert d.mode == "load-only"
+    assert set(d.estimates) == {"a:1", "b:1"}  # c:1 was filtered (stale metrics) before scoring
+    assert d.primary == "b:1"
+    assert d.estimates["a:1"].queue_s > 0 == d.estimates["b:1"].queue_s
+
+
+def test_own_backlog_from_the_datastore_moves_the_next_pick() -> None:
+    from epp.datastore import Datastore
+
+    clock = FakeClock(NOW)
+    ds = Datastore(clock)
+    for pod in ("a:1", "b:1"):
+        ds.add_endpoint(pod)
+        ds.record_metrics(pod, endpoint(pod).metrics)  # type: ignore[arg-type]
+    s = scheduler(yaml_text=_ZERO_BAND_YAML)
+    req = token_request(list(range(4096)))
+    picks = []
+    for _ in range(4):
+        d = s.schedule(req, ds.candidates()).decision
+        picks.append(d.primary)
+        ds.begin(d.primary, 4096, d.estimates[d.primary].work, first_token_by=NOW + 30)
+    assert Counter(picks) == {"a:1": 2, "b:1": 2}
+    assert ds.candidates()[0].prefill_backlog == P.work(4096, 0) + P.work(4096, 0)
+
+
+def test_prefill_work_of_the_estimate_is_what_joins_the_backlog() -> None:
+    _, st = score(make_scorer(), token_request(list(range(3000))), [endpoint("a:1")])
+    assert st.data[ESTIMATES]["a:1"].work == PrefillWork(1, 3000, 3000 * 1500.0)
