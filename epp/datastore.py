@@ -181,18 +181,20 @@ class Datastore:
         return ticket
 
     def first_token(self, ticket: Ticket) -> bool:
-        """The request's first token arrived: out of the prefill backlog, now decoding.
-        Returns False if it already was (or was released)."""
+        """The request's first token arrived: out of the prefill backlog, now decoding. Returns whether
+        an endpoint's accounting changed (False if it already had, or the ticket was released, or its
+        endpoint has gone)."""
         if ticket.released or ticket.decoding:
             return False
         ticket.decoding = True
         rec = self._live(ticket)
-        if rec is not None:
-            if ticket.work.requests:
-                rec.prefill_backlog = _floor(rec.prefill_backlog - ticket.work)
-            rec.decoding_requests += 1
-            rec.decoding_tokens += ticket.prompt_tokens
-            self._changed(rec)
+        if rec is None:
+            return False
+        if ticket.work.requests:
+            rec.prefill_backlog = _floor(rec.prefill_backlog - ticket.work)
+        rec.decoding_requests += 1
+        rec.decoding_tokens += ticket.prompt_tokens
+        self._changed(rec)
         return True
 
     def release(self, ticket: Ticket) -> bool:

@@ -199,7 +199,7 @@ def test_a_ticket_for_an_unknown_endpoint_never_counts_on_it_later() -> None:
     ds = Datastore(FakeClock())
     t = ds.begin("a:1", 100, W1, first_token_by=1001.0)
     ds.add_endpoint("a:1")
-    assert ds.first_token(t) is True
+    assert ds.first_token(t) is False  # nothing was counted on the new record
     assert ds.release(t) is True
     v = _view(ds)
     assert (v.prefill_backlog, v.decoding_requests, v.in_flight_requests) == (NO_WORK, 0, 0)
