@@ -68,13 +68,15 @@ class Batch:
 
 
 class Holdings:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, roomy_until: int = 0) -> None:
+        """`roomy_until`: tables holding fewer items trade memory for speed (`table.py`, Growth)."""
         self.bs = block_size
-        self.records = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 0)})
-        self.extra = HashTable(np.uint32, {"key": (np.uint64, 0)})
-        self.blocks = HashTable(np.uint16, {})  # + a mask column per tier
-        self.multi = HashTable(np.uint32, {"n": (np.uint32, 0)})
-        self.copies = HashTable(np.uint32, {"n": (np.uint32, 0)})
+        r = roomy_until
+        self.records = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 0)}, roomy_until=r)
+        self.extra = HashTable(np.uint32, {"key": (np.uint64, 0)}, roomy_until=r)
+        self.blocks = HashTable(np.uint16, {}, roomy_until=r)  # + a mask column per tier
+        self.multi = HashTable(np.uint32, {"n": (np.uint32, 0)}, roomy_until=r)
+        self.copies = HashTable(np.uint32, {"n": (np.uint32, 0)}, roomy_until=r)
         self.ntiers = 0
         self.counts = np.zeros((16, MAX_TIERS), dtype=np.int64)  # entries per (pod, tier)
         self.units = np.zeros(16, dtype=np.int64)  # units per pod
@@ -282,11 +284,14 @@ class Holdings:
             ok = rows >= 0  # always, unless the tables disagree
             keys, pods, tiers, rows = keys[ok], pods[ok], tiers[ok], rows[ok]
         ids = (rows * MAX_TIERS + tiers) * 32 + (pods & 31)  # one per (key, pod, tier)
-        order = np.argsort(ids, kind="stable")
-        starts = np.flatnonzero(np.r_[True, ids[order][1:] != ids[order][:-1]])
+        ids.sort(kind="stable")  # (faster than the default here) items naming one entry are alike: keep one
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
         owners = np.diff(np.r_[starts, len(ids)])  # how many items name each entry
-        first = order[starts]
-        keys, pods, tiers, rows = keys[first], pods[first], tiers[first], rows[first]
+        ids = ids[starts]
+        rows = ids // (MAX_TIERS * 32)
+        tiers = (ids // 32) % MAX_TIERS
+        pods = (self.blocks.tags[rows].astype(np.intp) << CHUNK_BITS) | (ids & 31)
+        keys = self.blocks.keys[rows]
         bits = np.left_shift(np.uint32(1), (pods & 31).astype(np.uint32))
         present = np.flatnonzero(np.bincount(tiers, minlength=self.ntiers)).tolist()
         by_tier = [(self.blocks.cols[f"m{t}"], tiers == t) for t in present]
@@ -332,9 +337,11 @@ class Holdings:
     def remove_copies(self, slots: Index, tiers: Index) -> int:
         """Remove one copy per (record slot, tier) pair (a pair may repeat: as many copies as it is named);
         a unit whose last copy goes is removed. Returns the entries removed."""
-        if slots.size == 0 or self.copies.size == 0:  # every unit has one copy: the pairs are distinct
-            return self.remove_units(slots, tiers)
+        if slots.size == 0:
+            return 0
         uid, k = np.unique(slots * MAX_TIERS + tiers, return_counts=True)
+        if self.copies.size == 0:  # every unit has one copy: each named unit goes
+            return self.remove_units(uid // MAX_TIERS, uid % MAX_TIERS)
         slots, tiers = uid // MAX_TIERS, uid % MAX_TIERS
         tags = (self.records.tags[slots].astype(np.intp) | (tiers << 16)).astype(np.uint32)
         at = self.copies.find(self.records.keys[slots], tags)

@@ -48,17 +48,19 @@ tokens, before any read (`lookup`, `lookup_weighted`, `pod_counts`, `pods`, `sta
 `clear_pod`, before an operation that touches an engine hash with queued work, and before a store that
 might push the index over its bound. The order of effects is therefore exactly that of the calls. A
 read pays for the queued work (about 1 us per queued block), so a caller that wants steady read
-latency calls `flush()` after each batch of events. Single writer, not thread-safe.
+latency calls `flush()` after each batch of events. `store_many` applies the BlockStored events of a
+message in one call (the same effects as `store` for each, less per-call work); token ids are queued packed
+(`packing.py`). Single writer, not thread-safe. Reads are in `reads.py`.
 
 Limits: 65,534 pods at a time (ids are reused after `clear_pod`), 12 tier names, index blocks of up to
-256 tokens, engine blocks of up to 4,095 index blocks. The arrays (`holdings.py`, `table.py`) take 50-60
-bytes per entry (10 M entries, engine blocks the size of index blocks, one tier, no shared keys).
+256 tokens, engine blocks of up to 4,095 index blocks. The arrays (`holdings.py`, `table.py`) take 45-60
+bytes per entry (10 M entries, engine blocks the size of index blocks, one tier, no shared keys); tables
+holding less than a quarter of `max_entries` trade memory for speed (up to about twice that per entry).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -66,19 +68,24 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.holdings import (
-    CHUNK_BITS,
     MAX_KEYS_PER_RECORD,
     MAX_PODS,
     MAX_TIERS,
-    TIER_SHIFT,
     Batch,
     Holdings,
 )
-from epp.kvindex.keys import MASK64, state_of
+from epp.kvindex.keys import state_of
+from epp.kvindex.packing import as_u64, flat_tokens, pack_tokens
+from epp.kvindex.reads import IndexReads
+from epp.kvindex.removals import IndexRemovals
 
 _FLUSH_TOKENS: Final = 1 << 16
 _FLUSH_BLOCKS: Final = 4096
 _ROOT_CACHE: Final = 4096
+
+StoreArgs = tuple[Sequence[int], int | None, Sequence[int] | npt.NDArray[np.integer], int, str, int]
+"""One BlockStored for `BlockIndex.store_many`: (engine hashes, parent engine hash, token ids, engine block
+size, tier, root)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +110,7 @@ class IndexStats:
     nbytes: int = 0  # bytes held by the index's arrays
 
 
-class BlockIndex:
+class BlockIndex(IndexReads, IndexRemovals):
     def __init__(
         self,
         block_size: int = 16,
@@ -123,7 +130,7 @@ class BlockIndex:
         self.evict_headroom = max_entries // 64 if evict_headroom is None else evict_headroom
         self.max_unknown = max_unknown
         self._max_ebs = block_size * MAX_KEYS_PER_RECORD - block_size + 1
-        self._h = Holdings(block_size)
+        self._h = Holdings(block_size, roomy_until=max_entries // 4)
         self._pod_ids: dict[str, int] = {}
         self._pod_names: list[str | None] = []
         self._free_ids: list[int] = []
@@ -143,9 +150,16 @@ class BlockIndex:
         self._q_ev: list[tuple[int, int, int, int, int, int, int]] = []
         self._q_s0: list[int] = []
         self._q_hashes: list[int] = []
-        self._q_tokens: list[Sequence[int] | npt.NDArray[np.integer]] = []
-        # pod -> engine hash -> queue position * 256 + tokens past the last index boundary after it
-        self._q_index: dict[int, dict[int, int]] = {}
+        self._q_tokens: list[bytes | npt.NDArray[np.integer]] = []  # int64 bytes, or integer arrays
+        # Where a queued engine block is, for its children: its *position*, queue position * 256 + tokens
+        # past the last index boundary after it. Per pod: the set of queued hashes, and the position of
+        # each event's last block (the usual parent); the position of any block (`_queued_at`) is indexed
+        # only when asked for, from `_q_full_upto` events on (block `_q_full_g` of the queue).
+        self._q_set: dict[int, set[int]] = {}
+        self._q_last: dict[int, dict[int, int]] = {}
+        self._q_full: dict[int, dict[int, int]] = {}
+        self._q_full_upto = 0
+        self._q_full_g = 0
         self._q_blocks = 0
         self._q_tok = 0
         self._q_weight = 0  # upper bound of what the queued stores add to `used`
@@ -153,6 +167,10 @@ class BlockIndex:
         self._r_units: list[tuple[int, int, int]] = []  # queued removals: (pod, engine hash, tier)
         self._r_left: dict[int, dict[int, int]] = {}  # pod -> engine hash -> tiers left after them
         self._r_spent: dict[tuple[int, int, int], int] = {}  # unit -> queued removals of its extra copies
+        # queued discards (resolved in the batch): per call (pod, tier, hashes), and per pod the hashes
+        self._d_calls: list[tuple[int, int, Sequence[int]]] = []
+        self._d_set: dict[int, set[int]] = {}
+        self._d_count = 0
 
     # -- events ----------------------------------------------------------------------------
     def store(
@@ -167,37 +185,71 @@ class BlockIndex:
     ) -> StoreOutcome:
         """Index the blocks of one BlockStored event for `pod` on `tier` (see the module docstring).
         Engine hashes are 64-bit ints (`events.decode_batch` makes them unsigned; an engine that always
-        sends them signed works too). `token_ids` may be kept by reference until the next flush."""
-        n = len(engine_hashes)
-        ntok = len(token_ids)
-        ebs = engine_block_size
-        bs = self.block_size
+        sends them signed works too). A `token_ids` array may be kept by reference until the next flush."""
         pid = self._pod_ids.get(pod)
         if pid is None:
             pid = self._new_pod(pod)
         tid = self._tier_ids.get(tier)
         if tid is None:
             tid = self._new_tier(tier)
-        if (
-            n == 0
-            or pid < 0
-            or tid < 0
-            or ebs < 1
-            or not (n - 1) * ebs < ntok <= n * ebs
-            or ebs > self._max_ebs
-        ):
+        k = self._store(pid, tid, engine_hashes, parent_engine_hash, token_ids, engine_block_size, root)
+        if k < 0:
+            return _ORPHAN
+        return _STORED[k] if k < len(_STORED) else StoreOutcome(k, False)
+
+    def store_many(self, pod: str, stores: Iterable[StoreArgs]) -> int:
+        """Several BlockStored events of `pod`, in order, each given as (engine hashes, parent engine hash,
+        token ids, engine block size, tier, root): the same as calling `store` for each, in one call.
+        Returns how many of them were orphans."""
+        pid = self._pod_ids.get(pod)
+        if pid is None:
+            pid = self._new_pod(pod)
+        tier_ids = self._tier_ids
+        store = self._store
+        orphans = 0
+        for hashes, parent, tokens, ebs, tier, root in stores:
+            tid = tier_ids.get(tier)
+            if tid is None:
+                tid = self._new_tier(tier)
+            if store(pid, tid, hashes, parent, tokens, ebs, root) < 0:
+                orphans += 1
+        return orphans
+
+    def _store(
+        self,
+        pid: int,
+        tid: int,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int] | npt.NDArray[np.integer],
+        ebs: int,
+        root: int,
+    ) -> int:
+        """`store` for a pod id and tier id: the index blocks the event completes, or -1 for an orphan."""
+        n = len(engine_hashes)
+        ntok = len(token_ids)
+        bs = self.block_size
+        tokens = None
+        if n and pid >= 0 and tid >= 0 and 1 <= ebs <= self._max_ebs and (n - 1) * ebs < ntok <= n * ebs:
+            tokens = pack_tokens(token_ids, ntok)
+        if tokens is None:
             if n:
                 self._rejected += 1
                 if pid >= 0:
                     self._forget_chain(pid, engine_hashes)
-            return _STORED[0]
+            return 0
         # what the event may add to the bound: its keys, + 1 per engine block that might complete none
-        weight = (ntok + bs - 1) // bs + (0 if ebs >= bs and ntok == n * ebs else n)
+        full = ntok == n * ebs
+        weight = (ntok + bs - 1) // bs + (0 if ebs >= bs and full else n)
         if self._q_blocks and self._h.used + self._q_weight + weight > self.max_entries:
             self._flush()  # this store may evict: what it sees must include the queued stores' evictions
         left = self._r_left.get(pid)
         if left and not left.keys().isdisjoint(engine_hashes):
             self._flush()
+            left = None
+        discarded = self._d_set.get(pid)
+        if discarded and (parent_engine_hash in discarded or not discarded.isdisjoint(engine_hashes)):
+            self._flush()  # whether the parent is still held, and the order of effects
             left = None
 
         pref = -1
@@ -208,8 +260,7 @@ class BlockIndex:
             if s0 < 0:
                 s0 = self._root_state(root)
         else:
-            queued = self._q_index.get(pid)
-            v = queued.get(parent_engine_hash) if queued else None
+            v = self._queued_at(pid, parent_engine_hash)
             if v is not None:
                 pref = v >> 8
                 npend0 = v & 0xFF
@@ -218,7 +269,8 @@ class BlockIndex:
                 if not (left and left.get(parent_engine_hash) == 0):
                     slot = self._h.find_record(pid, parent_engine_hash)
                 if slot < 0:
-                    return self._orphan(pid, parent_engine_hash, engine_hashes)
+                    self._orphan(pid, parent_engine_hash, engine_hashes)
+                    return -1
                 s0 = self._h.record_state(slot)
                 npend0 = self._h.record_info(slot) & 0xFF
 
@@ -230,75 +282,58 @@ class BlockIndex:
         self._q_ev.append((pid, tid, n, ntok, ebs, pref, npend0))
         self._q_s0.append(s0)
         self._q_hashes.extend(engine_hashes)
-        self._q_tokens.append(token_ids)
-        index = self._q_index.get(pid)
-        if index is None:
-            index = self._q_index[pid] = {}
-        size = len(index) + n
-        if ebs % bs == 0 and ntok == n * ebs:  # every block leaves the chain where the event began it
-            index.update(zip(engine_hashes, range(g0 * 256 + npend0, (g0 + n) * 256, 256), strict=True))
-        else:
-            ends = [min((j + 1) * ebs, ntok) if j < n - 1 else ntok for j in range(n)]
-            index.update(
-                zip(
-                    engine_hashes,
-                    [(g0 + j) * 256 + (npend0 + e) % bs for j, e in enumerate(ends)],
-                    strict=True,
-                )
-            )
-        if len(index) != size:
+        self._q_tokens.append(tokens)
+        queued = self._q_set.get(pid)
+        if queued is None:
+            queued = self._q_set[pid] = set()
+            self._q_last[pid] = {}
+        size = len(queued) + n
+        queued.update(engine_hashes)
+        if len(queued) != size:
             self._q_dups = True  # a hash queued twice for the pod
+        self._q_last[pid][engine_hashes[-1]] = (g0 + n - 1) * 256 + (npend0 + ntok) % bs
         self._q_blocks = g0 + n
         self._q_tok += ntok
         self._q_weight += weight
         if self._q_tok >= _FLUSH_TOKENS or self._q_blocks >= _FLUSH_BLOCKS:
             self._flush()
-        k = (npend0 + ntok) // bs
-        return _STORED[k] if k < len(_STORED) else StoreOutcome(k, False)
+        return (npend0 + ntok) // bs
 
-    def remove(self, pod: str, engine_hashes: Sequence[int], tier: str) -> int:
-        """BlockRemoved: drop one copy of `tier` of these engine blocks of `pod` (the tier of an engine
-        block goes with its last copy). Returns the entries they released: the index blocks completed by
-        the engine blocks whose tier went, held on that tier (one still completed by another engine block
-        of the pod stays held; `stats().entries` is exact)."""
-        pid = self._pod_ids.get(pod)
-        tid = self._tier_ids.get(tier)
-        if pid is None or tid is None or not engine_hashes:
-            return 0
-        queued = self._q_index.get(pid)
-        if (queued and not queued.keys().isdisjoint(engine_hashes)) or (
-            self._q_blocks and self._h.used + self._q_weight > self.max_entries
-        ):
-            self._flush()  # keep the order of effects: queued stores (and their evictions) come first
-        unknown = self._unknown.get(pid)
-        left = self._r_left.get(pid)
-        if left is None:
-            left = self._r_left[pid] = {}
-        bit = 1 << tid
-        removed = 0
-        h_info = self._h.record_info_of
-        copies = self._h.copies
-        for h in engine_hashes:
-            if unknown:
-                unknown.pop(h, None)
-            info = h_info(pid, h)
-            if info < 0:
-                continue
-            tiers = left.get(h, info >> TIER_SHIFT)
-            if tiers & bit:
-                self._r_units.append((pid, h, tid))
-                if copies.size:  # the unit may hold further copies: then only one of them goes
-                    unit = (pid, h, tid)
-                    spent = self._r_spent.get(unit, 0)
-                    if self._h.extra_copies(pid, h, tid) > spent:
-                        self._r_spent[unit] = spent + 1
-                        left[h] = tiers  # (a store of h flushes first)
-                        continue
-                left[h] = tiers & ~bit
-                removed += (info >> 8) & MAX_KEYS_PER_RECORD
-        if len(self._r_units) >= _FLUSH_BLOCKS:
+    def _queued_at(self, pid: int, ehash: int) -> int | None:
+        """The position of the latest queued store of (pod, engine hash), or None when none is queued."""
+        queued = self._q_set.get(pid)
+        if not queued or ehash not in queued:
+            return None
+        if not self._q_dups:  # each hash queued once: an event's last block is where `_q_last` says
+            v = self._q_last[pid].get(ehash)
+            if v is not None:
+                return v
+        bs = self.block_size
+        g = self._q_full_g
+        hashes = self._q_hashes
+        for pod, _, n, ntok, ebs, _, npend0 in self._q_ev[self._q_full_upto :]:
+            index = self._q_full.get(pod)
+            if index is None:
+                index = self._q_full[pod] = {}
+            if ebs % bs == 0 and ntok == n * ebs:  # every block leaves the chain where the event began it
+                index.update(zip(hashes[g : g + n], range(g * 256 + npend0, (g + n) * 256, 256), strict=True))
+            else:
+                ends = [min((j + 1) * ebs, ntok) if j < n - 1 else ntok for j in range(n)]
+                index.update(
+                    zip(
+                        hashes[g : g + n],
+                        [(g + j) * 256 + (npend0 + e) % bs for j, e in enumerate(ends)],
+                        strict=True,
+                    )
+                )
+            g += n
+        self._q_full_upto = len(self._q_ev)
+        self._q_full_g = g
+        return self._q_full[pid][ehash]
+
+    def _removals_queued(self) -> None:
+        if len(self._r_units) + self._d_count >= _FLUSH_BLOCKS:
             self._flush()
-        return removed
 
     def clear_pod(self, pod: str) -> int:
         """Drop everything of the pod (AllBlocksCleared, engine restart, pod removal); returns the
@@ -317,107 +352,6 @@ class BlockIndex:
     def flush(self) -> None:
         """Apply queued work now (reads do it themselves; a caller may do it when idle)."""
         self._flush()
-
-    # -- reads -----------------------------------------------------------------------------
-    def lookup(
-        self, keys: npt.NDArray[np.uint64] | Sequence[int], pods: Sequence[str]
-    ) -> dict[str, dict[str, int]]:
-        """For each pod: for each tier on which the pod holds a consecutive prefix of the prompt's blocks
-        (from block 0), its length; plus "any": the consecutive prefix held on any tier (a block may sit on
-        one tier, the next on another). Pods the index does not know map to {}. One pass: one batched
-        probe per (key, 32-pod chunk), then running ANDs of the pod bit masks."""
-        out: dict[str, dict[str, int]] = {name: {} for name in pods}
-        held = self._held(keys, pods)
-        if held is None:
-            return out
-        known, tiers, chunk_at, masks = held
-        runs = np.empty((len(tiers) + 1, *masks.shape[1:]), dtype=np.uint32)
-        runs[:-1] = masks
-        np.bitwise_or.reduce(masks, axis=0, out=runs[-1])
-        np.bitwise_and.accumulate(runs, axis=2, out=runs)
-        lengths = _bit_counts(runs).tolist()  # prefix length of pod bit q = blocks whose running AND has q
-        names = [self._tier_names[t] for t in tiers]
-        for name, pid in known:
-            ci, q = chunk_at[pid >> CHUNK_BITS], pid & 31
-            res = {"any": lengths[-1][ci][q]}
-            for ti, tname in enumerate(names):
-                length = lengths[ti][ci][q]
-                if length:
-                    res[tname] = length
-            out[name] = res
-        return out
-
-    def lookup_weighted(
-        self,
-        keys: npt.NDArray[np.uint64] | Sequence[int],
-        pods: Sequence[str],
-        weights: Mapping[str, float],
-        unknown: float = 0.0,
-    ) -> dict[str, float]:
-        """For each pod the index knows: the sum, over the consecutive prefix of the prompt's blocks held on
-        any tier ("any" of `lookup`), of the weight of the best tier holding each block there (`weights`
-        by tier name, `unknown` for tiers not in it). Pods the index does not know are left out."""
-        by_tier = self.lookup_by_best_tier(keys, pods, lambda tier: weights.get(tier, unknown))
-        return {pod: sum(n * weights.get(t, unknown) for t, n in counts.items()) for pod, counts in by_tier.items()}
-
-    def lookup_by_best_tier(
-        self,
-        keys: npt.NDArray[np.uint64] | Sequence[int],
-        pods: Sequence[str],
-        rank: Callable[[str], float],
-    ) -> dict[str, dict[str, int]]:
-        """For each pod the index knows: how many blocks of the consecutive prefix held on any tier ("any"
-        of `lookup`) have each tier as their best copy there, best = highest `rank(tier)`. Only tiers
-        with a nonzero count appear; pods the index does not know are left out."""
-        held = self._held(keys, pods)
-        if held is None:
-            return {}
-        known, tiers, chunk_at, masks = held
-        run = np.bitwise_or.reduce(masks, axis=0)
-        np.bitwise_and.accumulate(run, axis=1, out=run)
-        covered = np.zeros_like(run)
-        names = [self._tier_names[t] for t in tiers]
-        per_tier: list[tuple[str, list[list[int]]]] = []
-        for i in sorted(range(len(tiers)), key=lambda i: -rank(names[i])):
-            per_tier.append((names[i], _bit_counts(masks[i] & run & ~covered).tolist()))
-            covered |= masks[i]
-        out: dict[str, dict[str, int]] = {}
-        for name, pid in known:
-            ci, q = chunk_at[pid >> CHUNK_BITS], pid & 31
-            out[name] = {t: c[ci][q] for t, c in per_tier if c[ci][q]}
-        return out
-
-    def _held(
-        self, keys: npt.NDArray[np.uint64] | Sequence[int], pods: Sequence[str]
-    ) -> tuple[list[tuple[str, int]], list[int], dict[int, int], npt.NDArray[np.uint32]] | None:
-        """The known pods, the tiers they hold anything on, chunk -> row, and the (tier, chunk, block)
-        masks of which pods hold each block; None when no pod is known."""
-        self._flush()
-        units = self._h.units
-        known = [(name, pid) for name in pods if (pid := self._pod_ids.get(name)) is not None and units[pid]]
-        if not known:
-            return None
-        arr = np.asarray(keys, dtype=np.uint64)
-        pids = np.array([p for _, p in known], dtype=np.intp)
-        tiers = np.flatnonzero(self._h.counts[pids].any(axis=0)).tolist()
-        chunks = sorted({p >> CHUNK_BITS for _, p in known})
-        masks = self._h.masks(arr, chunks, tiers)
-        return known, tiers, {c: i for i, c in enumerate(chunks)}, masks
-
-    def pod_counts(self, pod: str) -> dict[str, int]:
-        """Blocks (entries) per tier held by the pod."""
-        self._flush()
-        pid = self._pod_ids.get(pod)
-        if pid is None:
-            return {}
-        row = self._h.counts[pid].tolist()
-        return {self._tier_names[t]: row[t] for t in range(len(self._tier_names)) if row[t]}
-
-    def pods(self) -> list[str]:
-        """Pods holding anything (sorted)."""
-        self._flush()
-        units = self._h.units
-        return sorted(n for pid, n in enumerate(self._pod_names) if n is not None and units[pid] > 0)
 
     def stats(self) -> IndexStats:
         self._flush()
@@ -482,16 +416,10 @@ class BlockIndex:
 
     def _flush(self) -> None:
         h = self._h
-        if self._r_units:
-            pods, hashes, tiers = zip(*self._r_units, strict=True)
-            slots = h.records.find(_u64(hashes), np.array(pods, dtype=np.uint16))
-            h.remove_copies(slots, np.array(tiers, dtype=np.intp))
+        if self._r_units or self._d_calls:
+            self._apply_removals()
         if self._q_blocks:
-            tokens = self._q_tokens
-            if all(isinstance(t, np.ndarray) for t in tokens):
-                flat: npt.NDArray[np.integer] = np.concatenate(tokens)
-            else:
-                flat = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=self._q_tok)
+            flat = flat_tokens(self._q_tokens)
             ev = np.array(self._q_ev, dtype=np.intp)
             h.add(
                 Batch(
@@ -503,29 +431,14 @@ class BlockIndex:
                     s0=self._q_s0,
                     pref=ev[:, 5],
                     npend0=ev[:, 6],
-                    hashes=_u64(self._q_hashes),
+                    hashes=as_u64(self._q_hashes),
                     tiers=sorted({e[1] for e in self._q_ev}),
                     dups=self._q_dups,
                     tokens=flat,
                 )
             )
-        if self._r_units or self._q_blocks:
+        if self._r_units or self._q_blocks or self._d_calls:
             self._reset_queue()
         if h.used > self.max_entries:
             target = max(0, self.max_entries - self.evict_headroom)
             self._evicted += h.evict(h.used - target)
-
-
-def _bit_counts(masks: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
-    """(..., n) uint32 masks -> (..., 32): for every bit, the number of the n masks that have it."""
-    as_bytes = masks.astype("<u4").view(np.uint8).reshape(*masks.shape, 4)
-    bits = np.unpackbits(as_bytes, axis=-1, bitorder="little")  # (..., n, 32)
-    counts: npt.NDArray[np.int64] = bits.sum(axis=-2, dtype=np.int64)
-    return counts
-
-
-def _u64(values: Sequence[int]) -> npt.NDArray[np.uint64]:
-    try:
-        return np.array(values, dtype=np.uint64)
-    except OverflowError:  # signed (SGLang) or oversized hashes that bypassed the decoder
-        return np.array([v & MASK64 for v in values], dtype=np.uint64)

@@ -5,6 +5,10 @@ every live message to `on_live`, which decodes it, checks its sequence number an
 it, or asks the edge to replay first (`NeedReplay`) and holds the live message until
 `replay_finished`. Replayed messages go through `on_replayed`. Nothing here blocks or
 performs I/O, so the simulator drives the same code with modelled delays.
+
+A message's events are applied in order: each run of BlockStored in one `BlockIndex.store_many`
+call, each BlockRemoved with `BlockIndex.discard` (its lookups batched with the index's next flush),
+with the same effects as applying every event on its own.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from epp.kvindex.events import (
     decode_batch,
 )
 from epp.kvindex.freshness import FreshnessTracker
-from epp.kvindex.index import BlockIndex
+from epp.kvindex.index import BlockIndex, StoreArgs
 from epp.kvindex.keys import root_key
 from epp.kvindex.sequence import SeqKind, SequenceTracker
 
@@ -270,30 +274,51 @@ class KvIngest:
         c.messages += 1
         c.skipped_groups += batch.skipped
         index = self.index
+        roots = self._roots
+        pod_model: str | None = None  # model_of(pod), asked at most once per message
+        asked = False
+        stores: list[StoreArgs] = []  # consecutive BlockStored, applied in one call
+        orphans = 0
         for ev in batch.events:
             if type(ev) is BlockStored:
-                model = ev.lora_name or topic_model or self.model_of(pod)
+                model = ev.lora_name or topic_model
                 if model is None:
-                    c.drops["unknown_model"] += 1
-                    continue
-                if ev.tier not in KNOWN_TIERS:
-                    c.unknown_tiers[ev.tier] += 1
-                salt = salt_of(ev.extra_keys, ev.cache_salt)
-                root = self._roots.get((model, salt))
-                if root is None:
-                    if len(self._roots) > 4096:  # tenants come and go: keep the cache bounded
-                        self._roots.clear()
-                    root = self._roots[(model, salt)] = root_key(model, salt)
-                outcome = index.store(
-                    pod, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.tier, root
+                    if not asked:
+                        pod_model, asked = self.model_of(pod), True
+                    model = pod_model
+                    if model is None:
+                        c.drops["unknown_model"] += 1
+                        continue
+                tier = ev.tier
+                if tier not in KNOWN_TIERS:
+                    c.unknown_tiers[tier] += 1
+                extra = ev.extra_keys
+                salt = (
+                    salt_of(extra, ev.cache_salt)
+                    if ev.cache_salt or (extra and extra[0] is not None)
+                    else None
                 )
-                if outcome.orphan:
-                    c.orphans += 1
-                    self.freshness.problem(pod, now, "orphans")
-            elif type(ev) is BlockRemoved:
-                index.remove(pod, ev.block_hashes, ev.tier)
+                root = roots.get((model, salt))
+                if root is None:
+                    if len(roots) > 4096:  # tenants come and go: keep the cache bounded
+                        roots.clear()
+                    root = roots[(model, salt)] = root_key(model, salt)
+                stores.append(
+                    (ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, tier, root)
+                )
+                continue
+            if stores:
+                orphans += index.store_many(pod, stores)
+                stores = []
+            if type(ev) is BlockRemoved:
+                index.discard(pod, ev.block_hashes, ev.tier)
             elif type(ev) is AllBlocksCleared:
                 index.clear_pod(pod)
+        if stores:
+            orphans += index.store_many(pod, stores)
+        if orphans:
+            c.orphans += orphans
+            self.freshness.problem(pod, now, "orphans")
         c.events += len(batch.events)
         pub.seq.advance(seq)
         self.last_seq[pod] = seq

@@ -11,6 +11,10 @@ Tags are unsigned ints of a fixed dtype; the dtype's maximum marks an empty slot
 tag. Inserting keeps a batch vectorised: each item goes to the emptier of its two buckets, then to the
 other one; the few left (both buckets full) take the classic cuckoo walk, one at a time, and a walk
 that fails grows the table (by `growth`) and rehashes everything.
+
+Growth. A large table runs at up to `max_load` and grows by `growth` (memory is the point). One holding
+fewer than `roomy_until` items runs at up to `roomy_load` and doubles: inserts rarely meet a full bucket,
+and doubling needs no rehash (`_split`), so growing from empty costs one move per item, not 1 / (growth - 1).
 """
 
 from __future__ import annotations
@@ -65,12 +69,16 @@ class HashTable:
         buckets: int = 16,
         max_load: float = 0.92,
         growth: float = 1.3,
+        roomy_until: int = 0,
+        roomy_load: float = 0.75,
     ) -> None:
-        """`columns`: name -> (dtype, value of an empty slot)."""
+        """`columns`: name -> (dtype, value of an empty slot). `roomy_until`, `roomy_load`: see Growth."""
         self.tag_dtype = np.dtype(tag_dtype)
         self.empty_tag = int(np.iinfo(self.tag_dtype).max)
         self.max_load = max_load
         self.growth = growth
+        self.roomy_until = roomy_until
+        self.roomy_load = roomy_load
         self.specs: dict[str, tuple[type[np.generic], int]] = dict(columns)
         self.size = 0
         self._alloc(max(2, buckets))
@@ -234,8 +242,9 @@ class HashTable:
         index; valid unless items moved), the items placed (with `dedupe`, a later copy of an item is
         not placed) and whether other items moved."""
         moved = False
-        if self.size + len(items) > self.max_load * self.capacity:
-            self._grow(self.size + len(items))
+        after = self.size + len(items)
+        if after > (self.roomy_load if after < self.roomy_until else self.max_load) * self.capacity:
+            self._grow(after)
             moved = True
             pairs = None
         b1, b2 = pairs if pairs is not None else self._pairs(keys[items], tags[items])
@@ -377,8 +386,51 @@ class HashTable:
         return True
 
     def _grow(self, items: int) -> None:
-        """Grow so that `items` fit, by `growth` at least (so the load right after is max_load / growth)."""
+        """Grow so that `items` fit: roomy tables double (see Growth), others grow by `growth` at least (so
+        the load right after is max_load / growth)."""
+        if items < self.roomy_until:
+            if items <= self.roomy_load * 2 * self.capacity:
+                self._split()
+            else:
+                self._rehash(int(items / (self.roomy_load * BUCKET)) + 1)
+            return
         self._rehash(max(int(self.nb * self.growth) + 1, int(items / (self.max_load * BUCKET)) + 1))
+
+    def _split(self) -> None:
+        """Double the buckets. An item in bucket b (its first or second choice) has the same choice among
+        buckets 2b and 2b + 1 of the new table (bucket numbers are (32-bit hash * buckets) >> 32): each old
+        bucket splits into two without overflow. Items whose pair was adjusted (equal choices) go last."""
+        old_keys, old_tags, old_count, old_cols, old_nb = self.keys, self.tags, self.count, self.cols, self.nb
+        self._alloc(2 * old_nb)
+        u_old, u_new = np.uint64(old_nb), np.uint64(2 * old_nb)
+        step = max(1, _REHASH_ITEMS // BUCKET)
+        left: list[Index] = []
+        for lo in range(0, old_nb, step):
+            hi = min(old_nb, lo + step)
+            occ = _SLOTS[None, :] < old_count[lo:hi, None]
+            slots = lo * BUCKET + np.flatnonzero(occ)
+            home = slots // BUCKET
+            h = fmix_array(old_keys[slots] ^ (old_tags[slots].astype(np.uint64) * _U_TAG_MUL))
+            h_hi = h >> _U32
+            first = ((h_hi * u_old) >> _U32).astype(np.intp) == home
+            side = np.where(first, (h_hi * u_new) >> _U32, ((h & _LOW32) * u_new) >> _U32).astype(np.intp)
+            side -= 2 * home
+            side[(side >> 1) != 0] = 2  # not 0 or 1: a bucket pair that was adjusted
+            grid = np.full(occ.shape, 2, dtype=np.intp)
+            grid[occ] = side
+            is0, is1 = grid == 0, grid == 1
+            rank = np.where(is0, np.cumsum(is0, axis=1), np.cumsum(is1, axis=1))[occ] - 1
+            ok = side < 2
+            src, dest = slots[ok], (2 * home[ok] + side[ok]) * BUCKET + rank[ok]
+            self._write(dest, old_keys[src], old_tags[src], old_cols, src)
+            self.count[2 * lo : 2 * hi : 2] = is0.sum(axis=1)
+            self.count[2 * lo + 1 : 2 * hi : 2] = is1.sum(axis=1)
+            self.size += len(src)
+            if not ok.all():
+                left.append(slots[~ok])
+        if left:
+            rest = np.concatenate(left)
+            self._bulk(old_keys[rest], old_tags[rest], {name: col[rest] for name, col in old_cols.items()})
 
     def _rehash(self, buckets: int) -> None:
         """Move everything into a table of `buckets` buckets, a slice of the old one at a time (bounded

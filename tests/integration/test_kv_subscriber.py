@@ -177,6 +177,20 @@ async def test_garbage_is_counted_and_never_stops_the_subscriber() -> None:
         assert r.state(POD_A) == (Freshness.DEGRADED, "malformed")
 
 
+async def test_a_burst_is_drained_in_order_and_flushed_once_the_socket_is_idle() -> None:
+    port = free_port()
+    async with KvEventPublisher(f"tcp://127.0.0.2:{port}") as a, rig(per_pod(port)) as r:
+        await joined(r, a, POD_A)
+        start = r.ingest.counters[POD_A].events
+        parent = None
+        for h in range(1, 301):  # far more than the subscriber handles between two yields
+            await a.publish([stored([h], parent, tokens(1, 16 * h))])
+            parent = h
+        await eventually(lambda: r.ingest.counters[POD_A].events - start == 300, "burst handled")
+        assert r.index._q_blocks == 0  # flushed when nothing else was waiting, before any read
+        assert r.blocks(POD_A) == 300 and r.ingest.counters[POD_A].orphans == 0
+
+
 async def test_central_mode_identifies_pods_from_the_topic() -> None:
     port = free_port()
     settings = KvEventsConfig(mode="central", bind=f"tcp://127.0.0.1:{port}", sync_interval=0.05)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from epp.kvindex import index as index_module
-from epp.kvindex.index import BlockIndex, StoreOutcome
+from epp.kvindex.index import BlockIndex, StoreArgs, StoreOutcome
 from epp.kvindex.keys import advance, block_keys, key_of, root_key, state_of
 from epp.kvindex.table import HashTable
 
@@ -773,6 +774,99 @@ def test_signed_engine_hashes_and_numpy_tokens() -> None:
     assert index.lookup(KEYS, ["p"]) == {"p": {"any": 12, GPU: 12}}
 
 
+def test_token_ids_in_every_form_give_the_keys_of_block_keys() -> None:
+    """Lists, tuples, int32 / uint64 arrays and ids beyond int64 (taken modulo 2^64), mixed in one batch."""
+    index = BlockIndex(BS)
+    big = [(1 << 64) - 1 - t for t in TOKENS]  # >= 2^63: not int64
+    evs = events_for(big, BS, 4)
+    forms = [list, tuple, lambda t: np.array(t, dtype=np.uint64), list]
+    parent = None
+    for (hs, _, toks), form in zip(evs, forms, strict=True):
+        assert index.store("p", hs, parent, form(toks), BS, GPU, ROOT).stored == 4
+        parent = hs[-1]
+    for hs, parent, toks in events_for(TOKENS, BS, 4)[:2]:
+        index.store("q", hs, parent, np.array(toks, dtype=np.int32), BS, GPU, ROOT)
+    want = block_keys(np.array(big, dtype=np.uint64), BS, ROOT)
+    assert index.lookup(want, ["p"]) == {"p": {"any": 16, GPU: 16}}
+    assert index.lookup(KEYS, ["q"]) == {"q": {"any": 8, GPU: 8}}
+
+
+@pytest.mark.parametrize("tokens", [[0.5] * BS, ["a"] * BS, np.zeros(BS, dtype=np.float64)])
+def test_token_ids_that_are_not_integers_are_rejected(tokens: Any) -> None:
+    index = BlockIndex(BS)
+    assert index.store("p", [1], None, tokens, BS, GPU, ROOT) == StoreOutcome(0, False)
+    assert index.stats().rejected == 1 and index.stats().entries == 0
+
+
+def test_a_parent_in_the_middle_of_a_queued_event() -> None:
+    """Branches from blocks inside queued events, from the last block of one, and from a block queued
+    twice: the keys are those of the whole token sequence."""
+    index = BlockIndex(BS)
+    trunk = events_for(TOKENS, BS, 8)  # 2 events of 8 blocks
+    for hs, parent, toks in trunk:
+        index.store("p", hs, parent, toks, BS, GPU, ROOT)
+    index.store("p", *trunk[0][:1], None, trunk[0][2], BS, CPU, ROOT)  # block 0..7 queued twice
+    for cut in (3, 8, 11):  # branch after block `cut` - 1 (inside event 0, its last block, inside event 1)
+        tokens = TOKENS[: cut * BS] + list(range(9000 + cut * 100, 9000 + cut * 100 + 2 * BS))
+        hashes = [h for hs, _, _ in events_for(tokens, BS, 1) for h in hs]
+        parent = hashes[cut - 1]
+        out = index.store("p", hashes[cut:], parent, tokens[cut * BS :], BS, GPU, ROOT)
+        assert out == StoreOutcome(2, False)
+        assert index.lookup(block_keys(tokens, BS, ROOT), ["p"])["p"]["any"] == cut + 2
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.parametrize("max_entries", [10**9, 30])
+@given(data=st.data())
+def test_store_many_leaves_the_index_as_store_does(max_entries: int, data: st.DataObject) -> None:
+    """The same events (stores, some chained, some again, some orphans, and removals) through `store` one
+    by one and through `store_many` in random runs: the same outcomes, stats, counts and lookups."""
+    one = BlockIndex(BS, max_entries=max_entries, evict_headroom=0)
+    many = BlockIndex(BS, max_entries=max_entries, evict_headroom=0)
+    seqs: dict[tuple[str, int], tuple[int, ...]] = {}
+    ops: list[tuple[Any, ...]] = []
+    for _ in range(data.draw(st.integers(1, 30))):
+        pod = data.draw(st.sampled_from(PODS[:2]))
+        ebs = POD_EBS[pod]
+        if seqs and data.draw(st.integers(0, 4)) == 0:
+            p, h = data.draw(st.sampled_from(sorted(seqs)))
+            ops.append(("remove", p, [h], data.draw(st.sampled_from(TIERS[:2]))))
+            continue
+        known = sorted(h for (p, h) in seqs if p == pod)
+        parent = data.draw(st.sampled_from([None, 12345, *known]))
+        prefix = seqs.get((pod, parent), ()) if parent is not None else ()
+        tokens = data.draw(st.lists(st.integers(0, 5), min_size=ebs, max_size=3 * ebs))
+        tokens = tokens[: len(tokens) // ebs * ebs]
+        hashes, h = [], parent
+        for i in range(0, len(tokens), ebs):
+            h = engine_hash(h, tokens[i : i + ebs], ROOT)
+            hashes.append(h)
+            seqs[(pod, h)] = prefix + tuple(tokens[: i + ebs])
+        ops.append(("store", pod, (hashes, parent, tokens, ebs, data.draw(st.sampled_from(TIERS[:2])), ROOT)))
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if op[0] == "remove":
+            assert one.remove(*op[1:]) == many.remove(*op[1:])
+            i += 1
+            continue
+        run = [op]
+        while (
+            i + len(run) < len(ops) and ops[i + len(run)][:2] == ("store", op[1]) and data.draw(st.booleans())
+        ):
+            run.append(ops[i + len(run)])
+        orphans = sum(one.store(op[1], *r[2]).orphan for r in run)
+        assert many.store_many(op[1], [r[2] for r in run]) == orphans
+        i += len(run)
+    assert one.stats() == many.stats()
+    assert one.pods() == many.pods()
+    for pod in PODS[:2]:
+        assert one.pod_counts(pod) == many.pod_counts(pod)
+    for seq in set(seqs.values()):
+        keys = block_keys(list(seq), BS, ROOT)
+        assert one.lookup(keys, PODS[:2]) == many.lookup(keys, PODS[:2])
+
+
 def test_tier_limit() -> None:
     index = BlockIndex(BS)
     hs, _, toks = events_for(TOKENS, BS, 1)[0]
@@ -947,14 +1041,11 @@ class IndexMachine(RuleBasedStateMachine):
         assert got == want, (method, args, got, want)
         return got
 
-    @rule(
-        pod=st.sampled_from(PODS),
-        tier=st.sampled_from(TIERS),
-        data=st.data(),
-        nblocks=st.integers(1, 4),
-        vocab=st.integers(2, 6),
-    )
-    def store(self, pod: str, tier: str, data: st.DataObject, nblocks: int, vocab: int) -> None:
+    def _draw_store(
+        self, pod: str, tier: str, data: st.DataObject, nblocks: int, vocab: int
+    ) -> tuple[StoreArgs, tuple[int, ...]] | None:
+        """A BlockStored for the pod (its parent: none, a block it holds, or an unknown one) and the tokens
+        before it; None when the drawn blocks repeat a hash."""
         ebs = POD_EBS[pod]
         known = [h for (p, h) in self.seqs if p == pod]
         how = data.draw(st.sampled_from(["root", "known", "known", "unknown"]))
@@ -975,15 +1066,58 @@ class IndexMachine(RuleBasedStateMachine):
             p = engine_hash(p, tokens[i : i + ebs], root)
             hashes.append(p)
         if len(set(hashes)) < len(hashes):
-            return
-        out = self._both("store", pod, hashes, parent, tokens, ebs, tier, root)
-        assert isinstance(out, StoreOutcome)
+            return None
+        return (hashes, parent, tokens, ebs, tier, root), prefix
+
+    def _stored(self, pod: str, args: StoreArgs, prefix: tuple[int, ...], out: StoreOutcome) -> None:
+        hashes, parent, tokens, ebs, _, root = args
         if not out.orphan:
-            self.sent.append((pod, hashes, parent, tokens, root))
-            seq = prefix
+            self.sent.append((pod, list(hashes), parent, list(tokens), root))
             for i, h in enumerate(hashes):
-                seq = prefix + tuple(tokens[: (i + 1) * ebs])
-                self.seqs[(pod, h)] = (seq, root)
+                self.seqs[(pod, h)] = (prefix + tuple(tokens[: (i + 1) * ebs]), root)
+
+    @rule(
+        pod=st.sampled_from(PODS),
+        tier=st.sampled_from(TIERS),
+        data=st.data(),
+        nblocks=st.integers(1, 4),
+        vocab=st.integers(2, 6),
+    )
+    def store(self, pod: str, tier: str, data: st.DataObject, nblocks: int, vocab: int) -> None:
+        drawn = self._draw_store(pod, tier, data, nblocks, vocab)
+        if drawn is None:
+            return
+        args, prefix = drawn
+        out = self._both("store", pod, *args)
+        assert isinstance(out, StoreOutcome)
+        self._stored(pod, args, prefix, out)
+
+    @rule(pod=st.sampled_from(PODS), data=st.data(), count=st.integers(1, 5))
+    def store_many(self, pod: str, data: st.DataObject, count: int) -> None:
+        """Several BlockStored of one pod in one `store_many` call (later ones may chain from earlier
+        ones, or store them again), against the reference applying them one by one."""
+        stores: list[StoreArgs] = []
+        orphans = 0
+        for _ in range(count):
+            tier = data.draw(st.sampled_from(TIERS))
+            again = [e for e in self.sent if e[0] == pod]
+            if again and data.draw(st.integers(0, 3)) == 0:
+                _, hashes, parent, tokens, root = data.draw(st.sampled_from(again))
+                args: StoreArgs = (hashes, parent, tokens, POD_EBS[pod], tier, root)
+                orphans += self.ref.store(pod, *args).orphan
+                stores.append(args)
+                continue
+            drawn = self._draw_store(
+                pod, tier, data, data.draw(st.integers(1, 4)), data.draw(st.integers(2, 6))
+            )
+            if drawn is None:
+                continue
+            args, prefix = drawn
+            out = self.ref.store(pod, *args)
+            orphans += out.orphan
+            self._stored(pod, args, prefix, out)
+            stores.append(args)
+        assert self.index.store_many(pod, stores) == orphans
 
     @precondition(lambda self: self.sent)
     @rule(data=st.data(), tier=st.sampled_from(TIERS))
@@ -1010,6 +1144,17 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(pod=st.sampled_from(PODS), h=st.integers(0, 2**64 - 1), tier=st.sampled_from(TIERS))
     def remove_unknown(self, pod: str, h: int, tier: str) -> None:
         self._both("remove", pod, [h], tier)
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data(), tier=st.sampled_from(TIERS), unknown=st.integers(0, 2**64 - 1))
+    def discard(self, data: st.DataObject, tier: str, unknown: int) -> None:
+        """`discard`: a BlockRemoved resolved in the next batch, mixed with everything else."""
+        pod, hashes, _, _, _ = data.draw(st.sampled_from(self.sent))
+        picked = data.draw(
+            st.lists(st.sampled_from([*hashes, unknown]), min_size=1, max_size=2 * len(hashes))
+        )
+        self.index.discard(pod, picked, tier)
+        self.ref.remove(pod, picked, tier)
 
     @rule(pod=st.sampled_from(PODS))
     def clear_pod(self, pod: str) -> None:
@@ -1076,10 +1221,13 @@ TestEvictingWithHeadroomMachine.settings = _SETTINGS
 
 
 # -- the hash table ----------------------------------------------------------------------
+@pytest.mark.parametrize("roomy_until", [0, 1 << 30, 20_000])
 @pytest.mark.parametrize("n", [10, 3000, 40_000])
-def test_hash_table_against_a_dict(n: int) -> None:
+def test_hash_table_against_a_dict(n: int, roomy_until: int) -> None:
+    """Growth by `growth`, by doubling (roomy), and doubling then `growth` past `roomy_until`. Two buckets
+    at first: many items have equal first and second buckets (adjusted pairs) while the table is small."""
     rng = np.random.default_rng(n)
-    table = HashTable(np.uint16, {"v": (np.uint64, 7)}, buckets=2)
+    table = HashTable(np.uint16, {"v": (np.uint64, 7)}, buckets=2, roomy_until=roomy_until)
     ref: dict[tuple[int, int], int] = {}
     keys = rng.integers(0, 2**64 - 1, size=n, dtype=np.uint64)
     keys[: n // 3] = keys[n // 3 : 2 * (n // 3)]  # equal keys under different tags
@@ -1131,3 +1279,24 @@ def test_hash_table_at_high_load_uses_cuckoo_moves() -> None:
         table.upsert(keys[i : i + 50], tags[i : i + 50], {})
     assert table.size == len(keys)
     assert (table.find(keys, tags) >= 0).all()
+
+
+def test_roomy_tables_double_and_keep_every_item() -> None:
+    table = HashTable(np.uint32, {"v": (np.uint64, 0), "w": (np.uint32, 9)}, buckets=3, roomy_until=1 << 30)
+    rng = np.random.default_rng(7)
+    keys = rng.integers(0, 2**64 - 1, size=50_000, dtype=np.uint64)
+    tags = rng.integers(0, 3, size=len(keys)).astype(np.uint32)
+    keys, first = np.unique(keys, return_index=True)
+    tags = tags[first]
+    sizes = []
+    for lo in range(0, len(keys), 5000):
+        k, t = keys[lo : lo + 5000], tags[lo : lo + 5000]
+        table.insert(k, t, {"v": k})
+        sizes.append(table.nb)
+        assert table.size <= table.roomy_load * table.capacity
+    assert all(b % a == 0 and (b // a) & (b // a - 1) == 0 for a, b in itertools.pairwise(sizes))  # doubled
+    found = table.find(keys, tags)
+    assert (found >= 0).all() and len(set(found.tolist())) == len(keys)
+    assert (table.cols["v"][found] == keys).all() and (table.cols["w"][found] == 9).all()
+    occ = table.occupied()
+    assert len(occ) == table.size == len(keys)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+from collections import Counter
+from typing import Any
 
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from epp.kvindex.events import KNOWN_TIERS, BlockRemoved, BlockStored, decode_batch
 from epp.kvindex.freshness import Freshness, FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import Applied, Dropped, KvIngest, NeedReplay, salt_of
+from epp.kvindex.keys import block_keys, root_key
 from epp.testing.kv_publisher import cleared, encode_batch, removed, stored
 
 BS = 16
@@ -169,11 +176,73 @@ def test_salt_of(extra: object, salt: str | None, expected: str | None) -> None:
 
 
 def test_salted_chains_get_their_own_keys() -> None:
-    from epp.kvindex.keys import block_keys, root_key
-
     ing = make()
     ing.on_live(P, 0, 0, encode_batch([stored([1], None, toks(1), extra_keys=[["tenant-a"]])]), 1.0)
     plain = block_keys(toks(1), BS, root_key("m", None))
     salted = block_keys(toks(1), BS, root_key("m", "tenant-a"))
     assert ing.index.lookup(plain, [P])[P].get("any", 0) == 0
     assert ing.index.lookup(salted, [P])[P]["any"] == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_message_is_applied_as_its_events_one_by_one(data: st.DataObject) -> None:
+    """`_apply` hands runs of BlockStored to `store_many`: the index ends as when every event of every
+    message goes to `store` / `remove` / `clear_pod` in order (models, salts, tiers, orphans included)."""
+    ing = make()
+    ref = BlockIndex(block_size=BS, max_entries=10_000)
+    ref_orphans = 0
+    ref_unknown_tiers: Counter[str] = Counter()
+    held: list[int] = []  # hashes stored so far, to chain from and to remove
+    chains: list[list[int]] = []
+    nxt = 1
+    for seq in range(data.draw(st.integers(1, 6))):
+        events: list[Any] = []
+        for _ in range(data.draw(st.integers(0, 8))):
+            kind = data.draw(st.sampled_from(["stored", "stored", "stored", "removed", "cleared"]))
+            if kind == "removed" and held:
+                events.append(removed(data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3))))
+            elif kind == "cleared" and data.draw(st.booleans()):
+                events.append(cleared())
+            else:
+                n = data.draw(st.integers(1, 3))
+                parent = data.draw(st.sampled_from([None, 10**9, *held[-6:]]))
+                hashes = list(range(nxt, nxt + n))
+                nxt += n
+                tokens = data.draw(st.lists(st.integers(0, 3), min_size=n * BS, max_size=n * BS))
+                extra = data.draw(st.sampled_from([None, [None] * n, [["tenant"]] + [None] * (n - 1)]))
+                lora = data.draw(st.sampled_from([None, "adapter"]))
+                medium = data.draw(st.sampled_from(["GPU", "cpu", "weird"]))
+                events.append(stored(hashes, parent, tokens, medium=medium, lora_name=lora, extra_keys=extra))
+                held.extend(hashes)
+                chains.append(tokens)
+        payload = encode_batch(events, ts=0.0)
+        assert ing.on_live(P, 0, seq, payload, 1.0) == Applied(len(events))
+        for ev in decode_batch(payload).events:
+            if isinstance(ev, BlockStored):
+                model = ev.lora_name or "m"
+                root = root_key(model, salt_of(ev.extra_keys, ev.cache_salt))
+                if ev.tier not in KNOWN_TIERS:
+                    ref_unknown_tiers[ev.tier] += 1
+                out = ref.store(
+                    P, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.tier, root
+                )
+                ref_orphans += out.orphan
+            elif isinstance(ev, BlockRemoved):
+                ref.remove(P, ev.block_hashes, ev.tier)
+            else:
+                ref.clear_pod(P)
+    index = ing.index
+    assert index.stats() == ref.stats()
+    assert index.pod_counts(P) == ref.pod_counts(P)
+    assert ing.counters[P].orphans == ref_orphans
+    assert ing.counters[P].unknown_tiers == ref_unknown_tiers
+    for tokens in chains:
+        for root in (
+            root_key("m"),
+            root_key("m", "tenant"),
+            root_key("adapter"),
+            root_key("adapter", "tenant"),
+        ):
+            keys = block_keys(tokens, BS, root)
+            assert index.lookup(keys, [P]) == ref.lookup(keys, [P])

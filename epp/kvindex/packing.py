@@ -1,0 +1,62 @@
+"""Event data in the forms the block index queues and flushes (`index.py`). Pure.
+
+Token ids are queued as int64 bytes: `struct` packs a tuple of Python ints at about 5 ns a token, three
+times faster than numpy reads them, and a flush joins the queue into one array without another pass.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from epp.kvindex.keys import MASK64
+
+_STRUCT_CACHE: Final = 1024
+_STRUCTS: dict[int, struct.Struct] = {}  # token count -> its packer
+
+
+def pack_tokens(
+    tokens: Sequence[int] | npt.NDArray[np.integer], n: int
+) -> bytes | npt.NDArray[np.integer] | None:
+    """Token ids for the queue: a list or tuple of ints as int64 bytes (struct packs them at about 5 ns a
+    token, 3x faster than numpy reads Python ints), an integer array as it is; None when they are not
+    integers. Ids outside int64 (a uint64 array or ints up to 2^64) are taken modulo 2^64, as by `keys`."""
+    if isinstance(tokens, np.ndarray):
+        return tokens if tokens.dtype.kind in "iu" else None
+    fmt = _STRUCTS.get(n)
+    if fmt is None:
+        if len(_STRUCTS) >= _STRUCT_CACHE:
+            _STRUCTS.clear()
+        fmt = _STRUCTS[n] = struct.Struct(f"<{n}q")
+    try:
+        return fmt.pack(*tokens)
+    except struct.error:
+        pass
+    try:
+        return np.array([t & MASK64 for t in tokens], dtype=np.uint64)
+    except TypeError:
+        return None
+
+
+def flat_tokens(tokens: list[bytes | npt.NDArray[np.integer]]) -> npt.NDArray[np.int64]:
+    """The queued token ids as one int64 array (wrapping uint64 ids: the keys take them modulo 2^64)."""
+    packed = [t for t in tokens if isinstance(t, bytes)]
+    if len(packed) == len(tokens):
+        return np.frombuffer(b"".join(packed), dtype=np.int64)
+    return np.concatenate(
+        [
+            np.frombuffer(t, dtype=np.int64) if isinstance(t, bytes) else t.astype(np.int64, copy=False)
+            for t in tokens
+        ]
+    )
+
+
+def as_u64(values: Sequence[int]) -> npt.NDArray[np.uint64]:
+    try:
+        return np.array(values, dtype=np.uint64)
+    except OverflowError:  # signed (SGLang) or oversized hashes that bypassed the decoder
+        return np.array([v & MASK64 for v in values], dtype=np.uint64)

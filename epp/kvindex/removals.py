@@ -1,0 +1,126 @@
+"""BlockRemoved for the block index (`index.BlockIndex`, see its docstring). Pure.
+
+`remove` looks each engine block up at once (one scalar probe per hash) to return the entries it releases;
+`discard` has the same effects without the count: it queues the hashes, and the next batch looks them all
+up in one vectorised probe, a few times cheaper per hash. Both queue the numpy work of the removal for the
+batch. Either flushes first what they must come after (queued stores of the same blocks, stores that may
+evict), and a store of a block with a queued removal, or whose parent has one, flushes first too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from epp.kvindex.holdings import MAX_KEYS_PER_RECORD, TIER_SHIFT, Holdings
+from epp.kvindex.packing import as_u64
+
+
+class IndexRemovals:
+    max_entries: int
+    _h: Holdings
+    _pod_ids: dict[str, int]
+    _tier_ids: dict[str, int]
+    _unknown: dict[int, dict[int, None]]
+    _q_set: dict[int, set[int]]
+    _q_blocks: int
+    _q_weight: int
+    _r_units: list[tuple[int, int, int]]  # queued removals: (pod, engine hash, tier) of live units
+    _r_left: dict[int, dict[int, int]]  # pod -> engine hash -> tiers left after them
+    _r_spent: dict[tuple[int, int, int], int]  # unit -> queued removals of its extra copies
+    _d_calls: list[tuple[int, int, Sequence[int]]]  # queued discards: (pod, tier, engine hashes)
+    _d_set: dict[int, set[int]]  # pod -> engine hashes with a queued discard
+    _d_count: int
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def _removals_queued(self) -> None:
+        raise NotImplementedError
+
+    def remove(self, pod: str, engine_hashes: Sequence[int], tier: str) -> int:
+        """BlockRemoved: drop one copy of `tier` of these engine blocks of `pod` (the tier of an engine
+        block goes with its last copy). Returns the entries they released: the index blocks completed by
+        the engine blocks whose tier went, held on that tier (one still completed by another engine block
+        of the pod stays held; `stats().entries` is exact)."""
+        pid = self._pod_ids.get(pod)
+        tid = self._tier_ids.get(tier)
+        if pid is None or tid is None or not engine_hashes:
+            return 0
+        queued = self._q_set.get(pid)
+        if (
+            (queued and not queued.isdisjoint(engine_hashes))
+            or (self._q_blocks and self._h.used + self._q_weight > self.max_entries)
+            or pid in self._d_set
+        ):
+            self._flush()  # keep the order of effects: queued stores (and their evictions) come first
+        unknown = self._unknown.get(pid)
+        left = self._r_left.get(pid)
+        if left is None:
+            left = self._r_left[pid] = {}
+        bit = 1 << tid
+        removed = 0
+        h_info = self._h.record_info_of
+        copies = self._h.copies
+        for h in engine_hashes:
+            if unknown:
+                unknown.pop(h, None)
+            info = h_info(pid, h)
+            if info < 0:
+                continue
+            tiers = left.get(h, info >> TIER_SHIFT)
+            if tiers & bit:
+                self._r_units.append((pid, h, tid))
+                if copies.size:  # the unit may hold further copies: then only one of them goes
+                    unit = (pid, h, tid)
+                    spent = self._r_spent.get(unit, 0)
+                    if self._h.extra_copies(pid, h, tid) > spent:
+                        self._r_spent[unit] = spent + 1
+                        left[h] = tiers  # (a store of h flushes first)
+                        continue
+                left[h] = tiers & ~bit
+                removed += (info >> 8) & MAX_KEYS_PER_RECORD
+        self._removals_queued()
+        return removed
+
+    def discard(self, pod: str, engine_hashes: Sequence[int], tier: str) -> None:
+        """BlockRemoved, as `remove`, without the count of entries released: the engine blocks are looked
+        up in the next batch, all at once, instead of one by one now (a few times cheaper)."""
+        pid = self._pod_ids.get(pod)
+        tid = self._tier_ids.get(tier)
+        if pid is None or tid is None or not engine_hashes:
+            return
+        queued = self._q_set.get(pid)
+        if (queued and not queued.isdisjoint(engine_hashes)) or (
+            self._q_blocks and self._h.used + self._q_weight > self.max_entries
+        ):
+            self._flush()  # keep the order of effects: queued stores (and their evictions) come first
+        unknown = self._unknown.get(pid)
+        if unknown:
+            for h in engine_hashes:
+                unknown.pop(h, None)
+        discarded = self._d_set.get(pid)
+        if discarded is None:
+            discarded = self._d_set[pid] = set()
+        discarded.update(engine_hashes)
+        self._d_calls.append((pid, tid, engine_hashes))
+        self._d_count += len(engine_hashes)
+        self._removals_queued()
+
+    def _apply_removals(self) -> None:
+        """The queued removals and discards, in one batch."""
+        h = self._h
+        pods, hashes, tiers = zip(*self._r_units, strict=True) if self._r_units else ((), (), ())
+        dp, dt, dh = zip(*self._d_calls, strict=True) if self._d_calls else ((), (), ())
+        sizes = [len(x) for x in dh]
+        slots = h.records.find(
+            as_u64([*hashes, *itertools.chain.from_iterable(dh)]),
+            np.r_[np.array(pods, dtype=np.uint16), np.repeat(np.array(dp, dtype=np.uint16), sizes)],
+        )
+        units = np.r_[np.array(tiers, dtype=np.intp), np.repeat(np.array(dt, dtype=np.intp), sizes)]
+        # a discard of a block the pod does not hold on the tier is a no-op (`remove` queues live units)
+        info = h.records.cols["info"][slots] >> (units + TIER_SHIFT).astype(np.uint32)
+        held = (slots >= 0) & ((info & 1) == 1)
+        h.remove_copies(slots[held], units[held])
