@@ -8,7 +8,8 @@ Every pod is fresh and has scraped load and a prefill backlog. Reported, each as
 - profile: the default profile's `run` (staleness filter -> ttft-scorer -> max-score picker) with the
   prompt's block keys already in the cycle state: index lookup + 64 estimates + pick. The target
   (issue: pick by estimated TTFT) is p50 <= 0.3 ms for this.
-- lookup: `BlockIndex.lookup_by_best_tier` alone; estimates: the 64 `CostModel.estimate` calls alone;
+- lookup: `BlockIndex.lookup_tier_runs` alone (GPU prefix, then what each slower tier adds);
+  estimates: `CostModel.estimate_all` for the 64 candidates alone;
 - keys: `block_keys` of the 32K token ids; schedule: `Scheduler.schedule` of a token-id request, keys
   included (what a request costs end to end in the core).
 
@@ -141,11 +142,9 @@ def main() -> None:
         state = CycleState(now=NOW, rng=sched.rng, data={KEYS: keys, TOKENS: len(tokens)})
         profile.run(state, request, endpoints)
 
-    rank = {"gpu": float("inf"), "cpu": 25e9, "storage": 5e9}
-    held = kv.index.lookup_by_best_tier(keys, pods, lambda t: rank.get(t, -1.0))
-    held_tokens = {
-        t: np.array([held.get(p, {}).get(t, 0) * BS for p in pods], dtype=np.float64) for t in ("gpu", "cpu")
-    }
+    order = ["gpu", *cost.tier_order(MODEL)]
+    runs = kv.index.lookup_tier_runs(keys, pods, order)
+    held_tokens = {"gpu": runs[0] * 16.0, "cpu": (runs[1] - runs[0]) * 16.0}
 
     def run_estimates() -> None:
         cost.estimate_all(MODEL, endpoints, len(tokens), held_tokens)
@@ -157,9 +156,7 @@ def main() -> None:
     )
     results = {
         "profile": timed(run_profile, args.runs),
-        "lookup": timed(
-            lambda: kv.index.lookup_by_best_tier(keys, pods, lambda t: rank.get(t, -1.0)), args.runs
-        ),
+        "lookup": timed(lambda: kv.index.lookup_tier_runs(keys, pods, order), args.runs),
         "estimates": timed(run_estimates, args.runs),
         "keys": timed(lambda: block_keys(arr, BS, root_key(MODEL, None)), args.runs),
         "schedule": timed(lambda: sched.schedule(request, endpoints), max(200, args.runs // 4)),

@@ -8,20 +8,20 @@ all score 1.0, so the picker spreads near-ties at random (seeded) instead of her
 onto one pod.
 
 Cache credit comes from the KV index when this EPP has one, for pods whose index is not
-stale; without it (no index, a prompt that cannot be tokenized, every pod stale, or
-`cacheCredit: false`) the estimate is purely load-aware. The estimates, the fastest one and
-the pick mode go into the cycle state for admission, explanations and calibration.
+stale, the way an engine uses its tiers: the consecutive prefix of the prompt on GPU, then the
+blocks a slower tier (fastest first) adds to that prefix; without it (no index, a prompt that
+cannot be tokenized, every pod stale, or `cacheCredit: false`) the estimate is purely load-aware.
+The estimates, the fastest one and the pick mode go into the cycle state for admission,
+explanations and calibration.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from epp.costmodel.estimate import F64
-from epp.costmodel.profile import ModelProfile
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.kvindex.service import SERVICE_KEY as KV_KEY
@@ -39,12 +39,6 @@ class TtftParams(Params):
     cache_credit: bool = True
 
 
-def _tier_rank(profile: ModelProfile) -> dict[str, float]:
-    rank = {t: c.bandwidth_bytes_per_s for t, c in profile.tiers.items()}
-    rank["gpu"] = math.inf
-    return rank
-
-
 class TtftScorer:
     def __init__(
         self, name: str, cost: CostModel, kv: KvIndexService | None, band: float, band_s: float
@@ -54,7 +48,6 @@ class TtftScorer:
         self.kv = kv
         self.band = band
         self.band_s = band_s
-        self._ranks: dict[str, dict[str, float]] = {}
 
     @property
     def name(self) -> str:
@@ -63,8 +56,9 @@ class TtftScorer:
     def _held(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
     ) -> tuple[int, dict[str, F64]]:
-        """(prompt tokens, tier -> tokens of each candidate's cached prefix whose best copy is on that
-        tier, aligned with `endpoints`); no tiers when no candidate gets cache credit."""
+        """(prompt tokens, tier -> tokens each candidate can take from that tier: its GPU prefix, then
+        what the next tier completes, ...; arrays aligned with `endpoints`). No tiers when no candidate
+        gets cache credit; stale candidates get none."""
         kv = self.kv
         if kv is None:
             load_only(state)
@@ -76,18 +70,20 @@ class TtftScorer:
         pods = creditable(state, kv, endpoints)
         if not pods or len(keys) == 0:
             return tokens, {}
-        model = request.model
-        rank = self._ranks.get(model)
-        if rank is None:
-            rank = self._ranks[model] = _tier_rank(self.cost.profile(model))
-        blocks = kv.index.lookup_by_best_tier(keys, pods, lambda t: rank.get(t, -1.0))
+        order = ["gpu", *self.cost.tier_order(request.model)]
+        if len(pods) == len(endpoints):
+            runs = kv.index.lookup_tier_runs(keys, [e.id for e in endpoints], order)
+        else:  # stale candidates: no credit
+            runs = np.zeros((len(order), len(endpoints)), dtype=np.int64)
+            at = {e.id: i for i, e in enumerate(endpoints)}
+            runs[:, [at[p] for p in pods]] = kv.index.lookup_tier_runs(keys, pods, order)
         bs = kv.block_size
-        empty: dict[str, int] = {}
-        held = [blocks.get(e.id, empty) for e in endpoints]
         out: dict[str, F64] = {}
-        for tier in ("gpu", *self.cost.tier_order(model)):
-            if any(tier in h for h in held):
-                out[tier] = np.array([h.get(tier, 0) * bs for h in held], dtype=np.float64)
+        previous = np.zeros(len(endpoints), dtype=np.int64)
+        for tier, run in zip(order, runs, strict=True):
+            if (run > previous).any():
+                out[tier] = ((run - previous) * bs).astype(np.float64)
+            previous = run
         return tokens, out
 
     def score(
