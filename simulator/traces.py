@@ -1,0 +1,281 @@
+"""Request traces for the simulator: real trace formats and synthetic workloads. Pure.
+
+A trace is a list of `TraceRequest`s sorted by arrival time (seconds from the start), each with
+its prompt as token ids. Token ids are synthetic but deterministic, and equal wherever prompts
+share content, so prefix reuse in the trace becomes prefix reuse in the engines' caches.
+
+- **Mooncake JSONL**: one object per line, `timestamp` (ms), `input_length`, `output_length`,
+  `hash_ids` (chained ids of 512-token blocks; equal ids at one position = an identical
+  prefix). Each id maps to its own deterministic run of 512 token ids; the last block is cut
+  to `input_length - 512 * (len(hash_ids) - 1)` tokens.
+- **Azure LLM inference CSV** (`TIMESTAMP,ContextTokens,GeneratedTokens`): arrivals and
+  lengths only, so every prompt is unique (no reuse).
+- **Generators**: `shared_prefix` (groups of prompts sharing a system prompt, like
+  inference-perf's `shared_prefix`), `multi_turn` (chat sessions whose every turn resends the
+  whole conversation so far), `agentic` (loops whose context grows by tool output each step);
+  Poisson or gamma arrivals.
+
+`scale_rate(trace, factor)` speeds a trace up (factor > 1) or slows it down. Errors are
+`TraceError`s naming the file and line.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+import numpy as np
+import numpy.typing as npt
+
+MOONCAKE_BLOCK = 512
+VOCAB = 32_000
+Tokens = npt.NDArray[np.int32]
+
+
+class TraceError(ValueError):
+    def __init__(self, source: str, line: int | None, message: str) -> None:
+        where = f"{source}:{line}" if line is not None else source
+        super().__init__(f"{where}: {message}")
+        self.source = source
+        self.line = line
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival: float  # seconds from the start of the trace
+    prompt: Tokens
+    output_tokens: int
+    session: str = ""  # conversation / group it belongs to ("" when none)
+    index: int = 0  # position in the trace
+
+
+class TokenSource:
+    """Deterministic token ids per content id: the same id always gives the same tokens."""
+
+    def __init__(self, seed: int = 0, vocab: int = VOCAB) -> None:
+        self.seed = seed
+        self.vocab = vocab
+        self._cache: dict[tuple[str, int, int], Tokens] = {}
+
+    def tokens(self, kind: str, content_id: int, length: int) -> Tokens:
+        key = (kind, content_id, length)
+        got = self._cache.get(key)
+        if got is None:
+            mix = _stable(self.seed, kind, content_id)  # not hash(): str hashes vary per process
+            rng = np.random.default_rng(mix)
+            got = rng.integers(1, self.vocab, size=length, dtype=np.int32)
+            if len(self._cache) < 200_000:
+                self._cache[key] = got
+        return got
+
+
+def _stable(seed: int, kind: str, content_id: int) -> int:
+    h = seed & 0xFFFFFFFF
+    for ch in kind.encode():
+        h = (h * 1_000_003 + ch) & 0xFFFFFFFFFFFF
+    return (h * 2_654_435_761 + content_id * 40_503 + 17) & 0xFFFFFFFFFFFFFFFF
+
+
+def _positive_int(source: str, line: int, doc: dict[str, object], key: str, minimum: int = 0) -> int:
+    value = doc.get(key)
+    if type(value) is not int or value < minimum:
+        raise TraceError(source, line, f"{key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+# -- Mooncake -------------------------------------------------------------------------------------
+def read_mooncake(text: str, source: str = "<mooncake>", seed: int = 0) -> list[TraceRequest]:
+    tokens = TokenSource(seed)
+    out: list[TraceRequest] = []
+    for line_no, line in enumerate(io.StringIO(text), start=1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TraceError(source, line_no, f"not JSON: {err.msg}") from None
+        if not isinstance(doc, dict):
+            raise TraceError(source, line_no, "each line must be a JSON object")
+        ts = doc.get("timestamp")
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+            raise TraceError(source, line_no, f"'timestamp' must be a number of ms >= 0, got {ts!r}")
+        n_in = _positive_int(source, line_no, doc, "input_length", 1)
+        n_out = _positive_int(source, line_no, doc, "output_length", 1)
+        ids = doc.get("hash_ids")
+        if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+            raise TraceError(source, line_no, "'hash_ids' must be a non-empty list of integers")
+        if not MOONCAKE_BLOCK * (len(ids) - 1) < n_in <= MOONCAKE_BLOCK * len(ids):
+            raise TraceError(
+                source,
+                line_no,
+                f"input_length {n_in} does not fit {len(ids)} blocks of {MOONCAKE_BLOCK} tokens",
+            )
+        last = n_in - MOONCAKE_BLOCK * (len(ids) - 1)
+        parts = [tokens.tokens("mc", i, MOONCAKE_BLOCK) for i in ids[:-1]]
+        parts.append(tokens.tokens("mc", ids[-1], MOONCAKE_BLOCK)[:last])
+        out.append(TraceRequest(float(ts) / 1000.0, np.concatenate(parts), n_out))
+    return _sorted(out, source)
+
+
+# -- Azure ----------------------------------------------------------------------------------------
+def read_azure(text: str, source: str = "<azure>", seed: int = 0) -> list[TraceRequest]:
+    """Azure LLM inference trace CSV: TIMESTAMP (ISO date-time or seconds), ContextTokens, GeneratedTokens."""
+    reader = csv.DictReader(io.StringIO(text))
+    need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+    if reader.fieldnames is None or not need <= set(reader.fieldnames):
+        raise TraceError(source, 1, f"header must name {', '.join(sorted(need))}, got {reader.fieldnames}")
+    tokens = TokenSource(seed)
+    out: list[TraceRequest] = []
+    start: float | None = None
+    for i, row in enumerate(reader):
+        line_no = i + 2
+        t = _timestamp(source, line_no, row["TIMESTAMP"])
+        start = t if start is None else start
+        try:
+            n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+        except (TypeError, ValueError):
+            raise TraceError(source, line_no, "ContextTokens and GeneratedTokens must be integers") from None
+        if n_in < 1 or n_out < 1:
+            raise TraceError(source, line_no, "ContextTokens and GeneratedTokens must be >= 1")
+        out.append(TraceRequest(t - start, tokens.tokens("az", i, n_in), n_out))
+    return _sorted(out, source)
+
+
+def _timestamp(source: str, line: int, value: str | None) -> float:
+    text = (value or "").strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:  # Azure writes 7 fractional digits; Python reads 6. Naive times are taken as UTC.
+        stamp = datetime.fromisoformat(text.replace(" ", "T")[:26])
+    except ValueError:
+        raise TraceError(source, line, f"TIMESTAMP {text!r} is not seconds or an ISO date-time") from None
+    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
+
+
+# -- arrivals and generators ----------------------------------------------------------------------
+def arrivals(
+    n: int, rate: float, rng: random.Random, process: str = "poisson", cv: float = 1.0
+) -> list[float]:
+    """`n` arrival times at `rate` per second: Poisson, or gamma with coefficient of variation `cv`."""
+    if rate <= 0 or not math.isfinite(rate):
+        raise ValueError(f"rate must be a positive number, got {rate}")
+    t, out = 0.0, []
+    for _ in range(n):
+        if process == "poisson":
+            t += rng.expovariate(rate)
+        elif process == "gamma":
+            if cv <= 0:
+                raise ValueError(f"cv must be > 0, got {cv}")
+            shape = 1.0 / (cv * cv)
+            t += rng.gammavariate(shape, 1.0 / (shape * rate))
+        else:
+            raise ValueError(f"arrival process must be poisson or gamma, got {process!r}")
+        out.append(t)
+    return out
+
+
+def shared_prefix(
+    groups: int,
+    prompts_per_group: int,
+    system_tokens: int,
+    question_tokens: int,
+    output_tokens: int,
+    rate: float,
+    seed: int = 0,
+    process: str = "poisson",
+) -> list[TraceRequest]:
+    """`groups` x `prompts_per_group` prompts; those of a group share a `system_tokens` system prompt,
+    each has its own question. Prompts arrive in random order."""
+    rng = random.Random(seed)
+    src = TokenSource(seed)
+    prompts = [(g, q) for g in range(groups) for q in range(prompts_per_group)]
+    rng.shuffle(prompts)
+    times = arrivals(len(prompts), rate, rng, process)
+    out = []
+    for i, ((g, q), t) in enumerate(zip(prompts, times, strict=True)):
+        prompt = np.concatenate(
+            [src.tokens("sys", g, system_tokens), src.tokens("q", g * 1_000_003 + q, question_tokens)]
+        )
+        out.append(TraceRequest(t, prompt, output_tokens, f"group-{g}", i))
+    return out
+
+
+def multi_turn(
+    sessions: int,
+    turns: int,
+    system_tokens: int,
+    user_tokens: int,
+    output_tokens: int,
+    rate: float,
+    think_time: float = 5.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Chat sessions starting at `rate` per second; each turn resends the conversation so far (system
+    prompt, earlier user messages and answers) plus a new user message, `think_time` seconds (mean,
+    exponential) after the previous turn's expected end."""
+    rng = random.Random(seed)
+    src = TokenSource(seed)
+    starts = arrivals(sessions, rate, rng)
+    out: list[TraceRequest] = []
+    for s, start in enumerate(starts):
+        context = src.tokens("sys", s % 8, system_tokens)  # a few system prompts shared across sessions
+        t = start
+        for turn in range(turns):
+            user = src.tokens("user", s * 1000 + turn, user_tokens)
+            prompt = np.concatenate([context, user])
+            out.append(TraceRequest(t, prompt, output_tokens, f"session-{s}"))
+            answer = src.tokens("answer", s * 1000 + turn, output_tokens)
+            context = np.concatenate([prompt, answer])
+            t += rng.expovariate(1.0 / think_time) if think_time > 0 else 0.0
+    return _sorted(out, "<multi-turn>")
+
+
+def agentic(
+    loops: int,
+    steps: int,
+    system_tokens: int,
+    task_tokens: int,
+    tool_tokens: int,
+    output_tokens: int,
+    rate: float,
+    step_gap: float = 1.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Agent loops: each step resends the whole context, grown by the last output and a tool result."""
+    rng = random.Random(seed)
+    src = TokenSource(seed)
+    starts = arrivals(loops, rate, rng)
+    out: list[TraceRequest] = []
+    for a, start in enumerate(starts):
+        context = np.concatenate(
+            [src.tokens("agent-sys", 0, system_tokens), src.tokens("task", a, task_tokens)]
+        )
+        t = start
+        for step in range(steps):
+            out.append(TraceRequest(t, context, output_tokens, f"agent-{a}"))
+            act = src.tokens("act", a * 1000 + step, output_tokens)
+            context = np.concatenate([context, act, src.tokens("tool", a * 1000 + step, tool_tokens)])
+            t += rng.expovariate(1.0 / step_gap) if step_gap > 0 else 0.0
+    return _sorted(out, "<agentic>")
+
+
+def scale_rate(trace: Iterable[TraceRequest], factor: float) -> list[TraceRequest]:
+    """Arrivals `factor` times faster (2.0 = twice the request rate)."""
+    if factor <= 0 or not math.isfinite(factor):
+        raise ValueError(f"rate scale must be a positive number, got {factor}")
+    return [replace(r, arrival=r.arrival / factor) for r in trace]
+
+
+def _sorted(trace: list[TraceRequest], source: str) -> list[TraceRequest]:
+    if not trace:
+        raise TraceError(source, None, "the trace has no requests")
+    order = sorted(range(len(trace)), key=lambda i: (trace[i].arrival, i))
+    return [replace(trace[i], index=k) for k, i in enumerate(order)]
