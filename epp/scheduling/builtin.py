@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from epp.scheduling.plugins import (
     active_request_scorer,
+    approx_prefix_scorer,
+    dynamo_kv_scorer,
     kv_cache_utilization_scorer,
     max_score_picker,
     precise_prefix_scorer,
@@ -11,6 +13,7 @@ from epp.scheduling.plugins import (
     random_picker,
     round_robin_picker,
     running_requests_scorer,
+    sglang_cache_aware_scorer,
     single_profile_handler,
     staleness_filter,
     token_load_scorer,
@@ -25,6 +28,9 @@ BUILTIN_SPECS: tuple[PluginSpec, ...] = (
     active_request_scorer.SPEC,
     token_load_scorer.SPEC,
     precise_prefix_scorer.SPEC,
+    approx_prefix_scorer.SPEC,
+    dynamo_kv_scorer.SPEC,
+    sglang_cache_aware_scorer.SPEC,
     ttft_scorer.SPEC,
     max_score_picker.SPEC,
     random_picker.SPEC,

@@ -78,6 +78,14 @@ class Picker(Plugin, Protocol):
 
 
 @runtime_checkable
+class PostPick(Plugin, Protocol):
+    """Told which endpoint a profile picked (e.g. to remember where a prompt was routed). Any filter,
+    scorer or picker of the profile may also implement it."""
+
+    def picked(self, state: CycleState, request: InferenceRequest, endpoint: EndpointId) -> None: ...
+
+
+@runtime_checkable
 class ProfileHandler(Plugin, Protocol):
     """Chooses which scheduling profile runs for a request."""
 

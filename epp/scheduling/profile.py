@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from epp.clock import Clock
 from epp.scheduling.errors import AllFilteredError
-from epp.scheduling.framework import CycleState, Filter, Picker, ScoredEndpoint, Scorer
+from epp.scheduling.framework import CycleState, Filter, Picker, PostPick, ScoredEndpoint, Scorer
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
 PluginTiming = tuple[str, str, str, float]
@@ -47,6 +47,13 @@ class SchedulerProfile:
         self.scorers = tuple(scorers)
         self.picker = picker
         self.picker_type = picker_type
+        plugins = [*(f.filter for f in self.filters), *(s.scorer for s in self.scorers), picker]
+        self.post_pick = tuple(p for p in plugins if isinstance(p, PostPick))
+
+    def picked(self, state: CycleState, request: InferenceRequest, endpoint: EndpointId) -> None:
+        """Tell the plugins that want to know which endpoint this request was routed to."""
+        for plugin in self.post_pick:
+            plugin.picked(state, request, endpoint)
 
     def run(
         self,

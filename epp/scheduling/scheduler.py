@@ -55,6 +55,7 @@ class Scheduler:
         result = profile.run(state, request, candidates, self.timer, timings)
         data = state.data
         self.admission.check(request, data.get(FASTEST))
+        profile.picked(state, request, result.endpoints[0])
         decision = Decision(
             endpoints=tuple(result.endpoints),
             profile=profile.name,
