@@ -1,0 +1,59 @@
+"""Summaries of simulated runs and the trace's cache bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulator.results import RequestRecord, cache_bounds, summarize
+
+
+def rec(
+    i: int,
+    pod: str,
+    arrival: float,
+    first: float,
+    end: float,
+    prompt: int = 100,
+    cached: int = 0,
+    loaded: int = 0,
+    out: int = 11,
+) -> RequestRecord:
+    return RequestRecord(i, arrival, pod, prompt, cached, loaded, out, first, end)
+
+
+def test_summary_figures_are_named_with_units_and_computed_from_records() -> None:
+    records = [
+        rec(0, "a", 0.0, 0.5, 1.5, cached=50),
+        rec(1, "a", 1.0, 1.1, 2.1, loaded=20),
+        rec(2, "b", 2.0, 2.3, 4.3),
+        rec(3, "a", 3.0, 3.1, 3.1, out=1),
+    ]
+    s = summarize(records, ["a", "b", "c"])
+    assert s["requests"] == 4
+    assert s["ttft_mean_s"] == pytest.approx((0.5 + 0.1 + 0.3 + 0.1) / 4)
+    assert s["ttft_p50_s"] == pytest.approx(0.2)
+    assert s["tpot_mean_s"] == pytest.approx((0.1 + 0.1 + 0.2) / 3)  # the 1-token output has no TPOT
+    assert s["e2e_p99_s"] == pytest.approx(np.percentile([1.5, 1.1, 2.3, 0.1], 99))
+    assert s["token_hit_rate"] == pytest.approx(70 / 400)
+    assert s["gpu_token_hit_rate"] == pytest.approx(50 / 400)
+    assert s["request_hit_rate"] == pytest.approx(0.5)
+    assert s["load_imbalance"] == pytest.approx(3 / (4 / 3))  # a served 3, mean over 3 pods 4/3
+    assert s["throughput_rps"] == pytest.approx(4 / 4.3)
+    assert s["output_tokens_per_s"] == pytest.approx(34 / 4.3)
+    with pytest.raises(ValueError, match="no completed requests"):
+        summarize([], ["a"])
+
+
+def test_cache_bounds_infinite_and_cluster_lru() -> None:
+    bs = 4
+    a = np.arange(1, 17, dtype=np.int32)  # 4 blocks
+    b = np.concatenate([a[:8], np.arange(100, 108, dtype=np.int32)])  # shares 2 blocks with a
+    c = np.arange(200, 216, dtype=np.int32)
+    bounds = cache_bounds([a, b, c, a], bs, capacity_blocks=1000)
+    # hits: b 8 tokens, a again 12 tokens (the last block is capped: len-1); of 64 prompt tokens
+    assert bounds["infinite_cache_token_hit_rate"] == pytest.approx(20 / 64)
+    assert bounds["cluster_lru_token_hit_rate"] == pytest.approx(20 / 64)
+    small = cache_bounds([a, b, c, a], bs, capacity_blocks=4)  # c pushes a's blocks out before a returns
+    assert small["cluster_lru_token_hit_rate"] == pytest.approx(8 / 64)
+    assert small["infinite_cache_token_hit_rate"] == pytest.approx(20 / 64)
