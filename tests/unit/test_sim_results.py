@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import numpy as np
 import pytest
 
+from simulator import report
 from simulator.results import RequestRecord, cache_bounds, summarize
 
 
@@ -57,3 +61,20 @@ def test_cache_bounds_infinite_and_cluster_lru() -> None:
     small = cache_bounds([a, b, c, a], bs, capacity_blocks=4)  # c pushes a's blocks out before a returns
     assert small["cluster_lru_token_hit_rate"] == pytest.approx(8 / 64)
     assert small["infinite_cache_token_hit_rate"] == pytest.approx(20 / 64)
+
+
+def test_report_writes_summary_records_and_plots(tmp_path: pathlib.Path) -> None:
+    records = {"ttft": [rec(0, "a", 0.0, 0.5, 1.5, cached=50)], "random": [rec(0, "b", 0.0, 0.9, 1.9)]}
+    summary = {name: summarize(recs, ["a", "b"]) for name, recs in records.items()}
+    bounds = {"infinite_cache_token_hit_rate": 0.6, "cluster_lru_token_hit_rate": 0.4}
+    paths = report.write(tmp_path / "out", summary, records, {"seed": 1}, bounds)
+    doc = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert doc["policies"]["ttft"]["ttft_mean_s"] == pytest.approx(0.5)
+    assert doc["meta"] == {"seed": 1} and doc["bounds"] == bounds
+    lines = (tmp_path / "out" / "records-random.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["ttft_s"] == pytest.approx(0.9)
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert len(pngs) == 2 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    text = report.table(summary, bounds)
+    assert text.splitlines()[1].startswith("ttft") and "500.00" in text.splitlines()[1]
+    assert "infinite shared cache 60.0%" in text

@@ -1,0 +1,123 @@
+"""Writing a replay's results: `summary.json`, per-request records, PNG plots and a printed table.
+
+`summary.json` maps each policy name to its figures (named with their units) and carries the run's
+metadata (trace, pods, seed, version, commit) and the trace's cache bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a display
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from simulator.results import RequestRecord
+
+TABLE_COLUMNS = (
+    ("ttft_mean_s", "TTFT mean", 1e3, "ms"),
+    ("ttft_p50_s", "p50", 1e3, "ms"),
+    ("ttft_p90_s", "p90", 1e3, "ms"),
+    ("ttft_p99_s", "p99", 1e3, "ms"),
+    ("tpot_mean_s", "TPOT", 1e3, "ms"),
+    ("e2e_mean_s", "E2E", 1.0, "s"),
+    ("throughput_rps", "req/s", 1.0, ""),
+    ("token_hit_rate", "tok hit", 100.0, "%"),
+    ("request_hit_rate", "req hit", 100.0, "%"),
+    ("load_imbalance", "imbal", 1.0, "x"),
+)
+
+
+def table(summary: Mapping[str, Mapping[str, float]], bounds: Mapping[str, float] | None = None) -> str:
+    """The policies side by side, one row each."""
+    head = ["policy", *(f"{name} ({unit})" if unit else name for _, name, _, unit in TABLE_COLUMNS)]
+    rows = [head]
+    for policy, figures in summary.items():
+        row = [policy]
+        for key, _, scale, _ in TABLE_COLUMNS:
+            value = figures.get(key, float("nan")) * scale
+            row.append(f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    if bounds:
+        lines.append(
+            "bounds: token hit rate of one infinite shared cache "
+            f"{bounds['infinite_cache_token_hit_rate'] * 100:.1f}%, of one LRU with the cluster's capacity "
+            f"{bounds['cluster_lru_token_hit_rate'] * 100:.1f}%"
+        )
+    return "\n".join(lines)
+
+
+def write(
+    out: pathlib.Path,
+    summary: Mapping[str, Mapping[str, float]],
+    records: Mapping[str, Sequence[RequestRecord]],
+    meta: Mapping[str, Any],
+    bounds: Mapping[str, float],
+) -> list[pathlib.Path]:
+    """Write every result file under `out` (created); returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    doc = {"meta": dict(meta), "bounds": dict(bounds), "policies": {k: dict(v) for k, v in summary.items()}}
+    path = out / "summary.json"
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    written.append(path)
+    for policy, recs in records.items():
+        path = out / f"records-{policy}.jsonl"
+        with path.open("w") as f:
+            for r in recs:
+                f.write(json.dumps(r.to_json()) + "\n")
+        written.append(path)
+    written += plots(out, summary, records, bounds)
+    return written
+
+
+def plots(
+    out: pathlib.Path,
+    summary: Mapping[str, Mapping[str, float]],
+    records: Mapping[str, Sequence[RequestRecord]],
+    bounds: Mapping[str, float],
+) -> list[pathlib.Path]:
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in names:
+        ttft = np.sort([r.ttft_s for r in records[name]])
+        if ttft.size:
+            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT distribution by policy")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    ttft_path = out / "ttft_cdf.png"
+    fig.tight_layout()
+    fig.savefig(ttft_path, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [summary[n]["token_hit_rate"] * 100 for n in names], 0.4, label="token hit rate")
+    ax.bar(x + 0.2, [summary[n]["request_hit_rate"] * 100 for n in names], 0.4, label="request hit rate")
+    for key, style in (("infinite_cache_token_hit_rate", "--"), ("cluster_lru_token_hit_rate", ":")):
+        if key in bounds:
+            ax.axhline(bounds[key] * 100, linestyle=style, color="gray", label=key.replace("_", " "))
+    ax.set_xticks(x, names, rotation=30, ha="right")
+    ax.set_ylabel("%")
+    ax.set_title("Prefix cache hit rates by policy")
+    ax.legend(fontsize="small")
+    hits_path = out / "hit_rates.png"
+    fig.tight_layout()
+    fig.savefig(hits_path, dpi=110)
+    plt.close(fig)
+    return [ttft_path, hits_path]
