@@ -371,8 +371,8 @@ def _tenancy(source: str, e: TenancyEntry | None) -> TenancyConfig | None:
 
 
 def _explain(source: str, e: ExplainEntry) -> ExplainConfig:
-    if not 0 <= e.keep <= 100_000:
-        raise ConfigError(source, "explain", "keep", f"must be in 0..100000, got {e.keep}")
+    if not 0 <= e.keep <= 10_000:
+        raise ConfigError(source, "explain", "keep", f"must be in 0..10000, got {e.keep}")
     return ExplainConfig(e.keep, e.response_header)
 
 

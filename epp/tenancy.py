@@ -75,6 +75,10 @@ class TenantSalter:
         """The tenant named by the trusted header ("" = shared). Raises RequestError (403) when the
         header is missing and such requests are rejected."""
         tenant = headers.get(self.header, "").strip()
+        if "," in tenant:  # sent more than once (or a list): which copy the gateway vouched for is unknown
+            raise RequestError(
+                403, "TenantAmbiguous", f"header {self.header!r} must name exactly one tenant, once"
+            )
         if not tenant and self.missing == "reject":
             raise RequestError(403, "TenantRequired", f"header {self.header!r} naming the tenant is required")
         return tenant

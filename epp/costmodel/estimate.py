@@ -17,10 +17,11 @@
 - **decode**: interference from requests decoding on the pod, for each engine step the
   queued and own prefill spans (`max_batched_tokens` per step, chunked prefill).
 
-vLLM always recomputes at least the prompt's last token, so at most `prompt_tokens - 1`
-tokens count as cached. The arithmetic runs on numpy arrays over the candidates (one pass of
-a few dozen vector operations instead of a Python loop per pod); `EstimateTable` keeps the
-arrays and builds a `TtftEstimate` only for the endpoints someone asks about.
+vLLM always computes at least the prompt's last token and hits whole blocks, so at most
+`floor((prompt_tokens - 1) / block_size) * block_size` tokens count as cached. The arithmetic
+runs on numpy arrays over the candidates (one pass of a few dozen vector operations instead of
+a Python loop per pod); `EstimateTable` keeps the arrays and builds a `TtftEstimate` only for
+the endpoints someone asks about.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _load(endpoint: Endpoint) -> tuple[float, ...]:
             endpoint.decoding_requests,
             endpoint.decoding_tokens,
             _INF,
+            0,
         )
     free = _INF
     if m.num_gpu_blocks and m.block_size:
@@ -68,6 +70,7 @@ def _load(endpoint: Endpoint) -> tuple[float, ...]:
         endpoint.decoding_requests,
         endpoint.decoding_tokens,
         free,
+        m.block_size or 0,
     )
 
 
@@ -150,14 +153,20 @@ def estimate_all(
     prefill_scale: float = 1.0,
     queue_scale: float = 1.0,
     order: Sequence[str] | None = None,
+    block_size: int = 1,
 ) -> EstimateTable:
-    """Estimates for every endpoint. `held_tokens`: tier -> tokens of each endpoint's consecutive
-    cached prefix of the prompt whose best copy is on that tier (arrays aligned with `endpoints`);
-    None or {} for no cache credit."""
+    """Estimates for every endpoint. `held_tokens`: tier -> tokens each endpoint can take from that
+    tier (its GPU prefix of the prompt, then what each slower tier adds; arrays aligned with
+    `endpoints`); None or {} for no cache credit. Hits count in whole engine blocks (the endpoint's
+    `block_size` from its metrics, else `block_size`), at most `floor((n - 1) / block) * block`
+    tokens: vLLM always computes at least the prompt's last token."""
     p = profile
     k = len(endpoints)
     n = max(prompt_tokens, 1)
-    cap = float(n - 1)
+    load = np.array([_load(e) for e in endpoints], dtype=np.float64).reshape(k, 9)
+    own_req, own_tok, own_pairs, waiting, running, decoding, dec_tokens, free, engine_bs = load.T
+    bs = np.where(engine_bs > 0, engine_bs, float(max(block_size, 1)))
+    cap = np.floor((n - 1) / bs) * bs
     kp = prefill_scale
     fixed, per_tok, per_pair = p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_pair_s
 
@@ -168,7 +177,7 @@ def estimate_all(
     zeros = np.zeros(k)
     held = held_tokens or {}
     gpu = held.get("gpu")
-    cached = zeros.copy() if gpu is None else np.minimum(gpu, cap)
+    cached = zeros.copy() if gpu is None else np.floor(np.minimum(gpu, cap) / bs) * bs
     gpu_cached = cached.copy()
     best_prefill = prefill(cached)
     best_total = best_prefill.copy()
@@ -179,7 +188,7 @@ def estimate_all(
         if t is None or not t.any():
             continue
         cost = p.tiers[tier]
-        take = np.minimum(t, cap - cached)
+        take = np.floor(np.minimum(cached + t, cap) / bs) * bs - cached
         reload_total = reload_total + np.where(
             take > 0, cost.latency_s + take * (p.kv_bytes_per_token / cost.bandwidth_bytes_per_s), 0.0
         )
@@ -194,11 +203,11 @@ def estimate_all(
             best_reload = np.where(better, reload_total, best_reload)
     uncached = n - best_cached
 
-    load = np.array([_load(e) for e in endpoints], dtype=np.float64).reshape(k, 8)
-    own_req, own_tok, own_pairs, waiting, running, decoding, dec_tokens, free = load.T
     unk = float(p.unknown_request_tokens)
     unknown_waiting = np.maximum(waiting - own_req, 0.0)
-    unknown_running = np.maximum(running - decoding, 0.0)
+    # The engine's `running` also counts this EPP's own requests that are past waiting but still in
+    # prefill (they are in the backlog, not decoding): those are not unknown load.
+    unknown_running = np.maximum(running - decoding - np.maximum(own_req - waiting, 0.0), 0.0)
     queue_nominal = fixed * own_req + per_tok * own_tok + per_pair * own_pairs
     queue_nominal = queue_nominal + unknown_waiting * (fixed + per_tok * unk + per_pair * unk * unk / 2.0)
     seqs = decoding + unknown_running
@@ -233,7 +242,11 @@ def estimate_ttft(
     prefill_scale: float = 1.0,
     queue_scale: float = 1.0,
     order: Sequence[str] | None = None,
+    block_size: int = 1,
 ) -> TtftEstimate:
-    """One endpoint's estimate; `held_tokens`: tier -> tokens of its cached prefix by best tier."""
+    """One endpoint's estimate; `held_tokens`: tier -> tokens it can take from that tier."""
     held = {t: np.array([float(v)]) for t, v in (held_tokens or {}).items()}
-    return estimate_all(profile, [endpoint], prompt_tokens, held, prefill_scale, queue_scale, order).row(0)
+    table = estimate_all(
+        profile, [endpoint], prompt_tokens, held, prefill_scale, queue_scale, order, block_size
+    )
+    return table.row(0)

@@ -105,7 +105,12 @@ class CostModel:
         return c
 
     def estimate(
-        self, model: str, endpoint: Endpoint, prompt_tokens: int, held_tokens: Mapping[str, int] | None
+        self,
+        model: str,
+        endpoint: Endpoint,
+        prompt_tokens: int,
+        held_tokens: Mapping[str, int] | None,
+        block_size: int = 1,
     ) -> TtftEstimate:
         key = self.profile_key(model)
         c = self._calibrators.get(model)
@@ -117,6 +122,7 @@ class CostModel:
             c.prefill_scale if c else 1.0,
             c.queue_scale if c else 1.0,
             self._orders[key],
+            block_size,
         )
 
     def estimate_all(
@@ -125,8 +131,10 @@ class CostModel:
         endpoints: Sequence[Endpoint],
         prompt_tokens: int,
         held_tokens: Mapping[str, F64] | None,
+        block_size: int = 1,
     ) -> EstimateTable:
-        """Every candidate at once; `held_tokens`: tier -> tokens per endpoint (aligned arrays)."""
+        """Every candidate at once; `held_tokens`: tier -> tokens per endpoint (aligned arrays);
+        `block_size`: the engines' block size where their metrics do not say."""
         key = self.profile_key(model)
         c = self._calibrators.get(model)
         return estimate_all(
@@ -137,6 +145,7 @@ class CostModel:
             c.prefill_scale if c else 1.0,
             c.queue_scale if c else 1.0,
             self._orders[key],
+            block_size,
         )
 
     def tier_order(self, model: str) -> list[str]:

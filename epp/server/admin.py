@@ -103,9 +103,9 @@ class AdminServer:
     async def _decisions(self, request: web.Request) -> web.Response:
         assert self.debug_decisions is not None
         raw = request.query.get("limit", "20")
-        if not raw.isdigit() or not 0 < int(raw) <= 100_000:
+        if not raw.isdigit() or not 0 < int(raw) <= 10_000:
             return web.json_response(
-                {"error": f"limit must be an integer in 1..100000, got {raw!r}"}, status=400
+                {"error": f"limit must be an integer in 1..10000, got {raw!r}"}, status=400
             )
         return web.json_response(self.debug_decisions(int(raw)))
 

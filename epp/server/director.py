@@ -20,9 +20,10 @@ from epp.types import Decision, InferenceRequest, TtftEstimate
 from epp.usage import Usage
 
 FIRST_TOKEN_DEADLINE_FACTOR = 4.0
-"""A routed request leaves the prefill backlog at its first byte, or at the latest after this many
-times its estimated TTFT (plus FIRST_TOKEN_DEADLINE_FLOOR): a buffered response's first byte is its
-last, and a lost stream must not hold the backlog."""
+"""A streamed request leaves the prefill backlog at its first byte, or at the latest after this many
+times its estimated TTFT (plus FIRST_TOKEN_DEADLINE_FLOOR), so a lost stream cannot hold the
+backlog. A request whose first byte is not its first token (not streamed, or Envoy buffers the
+response) leaves it when its estimated TTFT has passed."""
 FIRST_TOKEN_DEADLINE_FLOOR = 0.5
 
 log = logging.getLogger("epp.director")
@@ -37,6 +38,8 @@ class RoutedRequest:
     status: int | None = None
     first_byte_at: float | None = None
     body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt)
+    observable: bool = False  # its first response byte will be its first token (streamed both ways)
+    served: str | None = None  # the endpoint Envoy reports it used, when it says
 
     @property
     def estimate(self) -> TtftEstimate | None:
@@ -71,8 +74,11 @@ class Director:
         headers: Mapping[str, str],
         body: bytes | bytearray | None,
         subset: Collection[str] | None = None,
+        streamed_response: bool = True,
     ) -> RoutedRequest:
-        """Pick endpoints for a request. Raises RequestError or SchedulingError."""
+        """Pick endpoints for a request. Raises RequestError or SchedulingError. `streamed_response`:
+        Envoy passes the response body on as it comes (so the first body byte is the first token
+        of a streamed request)."""
         doc: dict[str, Any] | None = None if body is None else parse_body(body)
         new_body: bytes | None = None
         if self.tenancy is not None:  # the tenant's salt replaces any client-sent cache_salt
@@ -100,15 +106,19 @@ class Director:
             m.pick_modes(decision.mode).inc()
         m.requests(request.model, request.model).inc()
         m.running(request.model).inc()
+        observable = request.stream and streamed_response
         est = decision.estimates.get(decision.primary)
         if est is not None:
-            deadline = t1 + FIRST_TOKEN_DEADLINE_FACTOR * est.ttft_s + FIRST_TOKEN_DEADLINE_FLOOR
+            if observable:
+                deadline = t1 + FIRST_TOKEN_DEADLINE_FACTOR * est.ttft_s + FIRST_TOKEN_DEADLINE_FLOOR
+            else:  # the first byte comes with the whole answer: count it decoding once its TTFT passed
+                deadline = t1 + est.ttft_s
             ticket = self.datastore.begin(decision.primary, est.prompt_tokens, est.work, deadline)
         else:
             ticket = self.datastore.begin(decision.primary, request.prompt_tokens_estimate)
         if self.decisions is not None:
             self.decisions.add(t1, request, decision)
-        return RoutedRequest(request, decision, ticket, t1, body=new_body)
+        return RoutedRequest(request, decision, ticket, t1, body=new_body, observable=observable)
 
     def reject(self, status: int, code: str, model: str = "") -> None:
         self.metrics.rejections(str(status), code).inc()
@@ -130,13 +140,15 @@ class Director:
         self.metrics.ttfb(routed.decision.primary).observe(elapsed)
         self.datastore.first_token(routed.ticket)
         est = routed.estimate
-        # Only a streamed, successful response's first byte is its first token.
+        # Only a streamed, successful response's first byte is its first token, and only the
+        # primary's estimate predicts it (Envoy may have fallen back to another endpoint).
         if (
             self.cost is not None
             and est is not None
-            and routed.request.stream
+            and routed.observable
             and routed.status is not None
             and 200 <= routed.status < 300
+            and routed.served in (None, routed.decision.primary)
         ):
             self.cost.observe(routed.request.model, est, elapsed)
 

@@ -32,6 +32,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 MAX_CHUNK = 62_000
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
@@ -44,10 +45,23 @@ _JSON_CT = base_pb2.HeaderValueOption(
 
 
 def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Lower-cased names; a header sent several times is one comma-joined value (RFC 9110 5.3), so
+    a repeated trusted header is visible as such, never silently the last copy."""
     out: dict[str, str] = {}
     for h in headers.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        key = h.key.lower()
+        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        out[key] = f"{out[key]},{value}" if key in out else value
     return out
+
+
+def served_endpoint(req: pb.ProcessingRequest) -> str | None:
+    """The endpoint Envoy reports it sent the request to, when it says (response path)."""
+    md = req.metadata_context.filter_metadata
+    if LB_NAMESPACE not in md:
+        return None
+    value = md[LB_NAMESPACE].fields.get(SERVED_KEY)
+    return value.string_value or None if value is not None else None
 
 
 def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
@@ -143,6 +157,8 @@ class RequestStream:
         if which == "request_trailers":
             return self._request_trailers()
         if which == "response_headers":
+            if self.routed is not None:
+                self.routed.served = served_endpoint(msg)
             return self._response_headers(msg.response_headers)
         if which == "response_body":
             return self._response_body(msg.response_body)
@@ -200,7 +216,8 @@ class RequestStream:
                 "FULL_DUPLEX_STREAMED or BUFFERED",
             )
         try:
-            routed = self.director.route(self.headers, body, self.subset)
+            streamed = self.response_mode in (_DUPLEX, _STREAMED)
+            routed = self.director.route(self.headers, body, self.subset, streamed)
         except RequestError as err:
             return self._reject(err.status, err.code, err.message)
         except SloExceededError as err:

@@ -98,7 +98,7 @@ async def test_a_cached_prefix_behind_a_long_queue_loses_to_an_idle_pod() -> Non
         assert "pod-1" not in {await served_by(c, body) for _ in range(3)}
         d = await last_decision(c)
         held = candidate(d, holder.address)
-        assert held["cached_tokens"] == len(prompt) - 1  # the engine recomputes the last token
+        assert held["cached_tokens"] == len(prompt) - BS  # the engine recomputes the last (whole) block
         assert held["queue_s"] >= 3.0
         assert candidate(d, d["winner"])["ttft_s"] < held["ttft_s"]
         assert d["mode"] == "cache-aware"
@@ -116,7 +116,7 @@ async def test_a_cpu_tier_prefix_wins_for_a_long_prompt_and_not_for_a_short_one(
         assert await served_by(c, {"model": MODEL, "prompt": long}) == "pod-1"
         d = await last_decision(c)
         held = candidate(d, holder.address)
-        assert held["reloaded_tokens"] == len(long) - 1 and held["reload_s"] > 0
+        assert held["reloaded_tokens"] == len(long) - BS and held["reload_s"] > 0
         recompute = epp.cost.profile(MODEL).prefill_s(len(long))
         assert held["reload_s"] + held["prefill_s"] < recompute
         assert await served_by(c, {"model": MODEL, "prompt": short}) != "pod-1"
@@ -221,9 +221,8 @@ async def test_sheddable_requests_get_429_with_retry_after_when_no_pod_can_meet_
         before = sum(len(b.requests) for b in c["backends"])
         status, _, headers, text = await post(c, body, {"x-gateway-inference-objective": "batch"})
         assert status == 429, text
-        fastest = min(
-            epp.cost.estimate(MODEL, e, len(prompt), None).ttft_s for e in epp.datastore.candidates()
-        )
+        p = epp.cost.profile(MODEL)  # every pod: 100 waiting requests of unknown size, then this prompt
+        fastest = 100 * p.prefill_s(p.unknown_request_tokens) + p.prefill_s(len(prompt))
         assert headers["retry-after"] == str(math.ceil(fastest - 1.0))
         assert "exceeds the 1s SLO" in json.loads(text)["error"]["message"]
         assert sum(len(b.requests) for b in c["backends"]) == before  # nothing reached an engine

@@ -118,7 +118,7 @@ def test_ttft_slo_takes_durations_and_numbers(value: object, seconds: float) -> 
         ("tenancy: {secretEnv: S, missing: maybe}", "tenancy", "missing", "'maybe'"),
         ("tenancy: {secretEnv: S, header: 'x-tenant:'}", "tenancy", "header", "HTTP header name"),
         ("explain: {keep: -1}", "explain", "keep", "got -1"),
-        ("explain: {keep: 100001}", "explain", "keep", "0..100000"),
+        ("explain: {keep: 10001}", "explain", "keep", "0..10000"),
         ("explain: {responseHeaders: true}", "explain", "responseHeaders", "unknown field"),
     ],
 )

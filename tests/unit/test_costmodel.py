@@ -191,6 +191,25 @@ def test_at_most_prompt_minus_one_tokens_count_as_cached(held: int) -> None:
     assert est.work == PrefillWork(1, 1, 1 * (4095 + 0.5))
 
 
+@pytest.mark.parametrize(
+    ("prompt", "held", "block", "metrics_block", "cached"),
+    [
+        (4096, 4096, 16, None, 4080),  # a block-aligned prompt recomputes its whole last block
+        (4100, 4100, 16, None, 4096),
+        (4100, 4090, 16, None, 4080),  # a partial block of the hit is no hit
+        (4096, 4096, 16, 64, 4032),  # the engine's own block size (from its metrics) decides
+        (40, 40, 64, None, 0),
+    ],
+)
+def test_hits_count_in_whole_engine_blocks(
+    prompt: int, held: int, block: int, metrics_block: int | None, cached: int
+) -> None:
+    ep = endpoint("a:1", block_size=metrics_block, num_gpu_blocks=10**6 if metrics_block else None)
+    assert estimate_ttft(P, ep, prompt, {"gpu": held}, block_size=block).cached_tokens == cached
+    on_cpu = estimate_ttft(P, ep, prompt, {"cpu": held}, block_size=block)
+    assert on_cpu.cached_tokens in (0, cached)  # reloaded whole blocks, or recomputed
+
+
 def test_empty_prompt_counts_as_one_token() -> None:
     est = estimate_ttft(P, endpoint("a:1"), 0, {"gpu": 64})
     assert (est.prompt_tokens, est.cached_tokens) == (1, 0)
@@ -459,3 +478,12 @@ def test_profile_dataclass_defaults() -> None:
     assert prof.tiers == {}
     assert prof.reload_s("cpu", 10) is None
     assert estimate_ttft(prof, endpoint("a:1"), 100, {"cpu": 100}).reloaded_tokens == 0
+
+
+def test_own_requests_in_prefill_are_not_counted_again_as_unknown_running_load() -> None:
+    # two requests this EPP routed are past the engine's queue (running, still in prefill)
+    ep = endpoint("a:1", waiting=0, running=2, backlog=PrefillWork(2, 2000, 2e6))
+    assert estimate_ttft(P, ep, 100).decode_s == 0.0
+    # a third running request the EPP does not know decodes alongside
+    other = endpoint("a:1", waiting=0, running=3, backlog=PrefillWork(2, 2000, 2e6))
+    assert estimate_ttft(P, other, 100).decode_s > 0.0

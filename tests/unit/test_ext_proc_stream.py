@@ -55,7 +55,11 @@ def director(
 
 
 def headers(
-    eos: bool = False, mode: int = DUPLEX, subset: object = None, path: bytes = b"/v1/chat/completions"
+    eos: bool = False,
+    mode: int = DUPLEX,
+    subset: object = None,
+    path: bytes = b"/v1/chat/completions",
+    response_mode: int = DUPLEX,
 ) -> pb.ProcessingRequest:
     hm = base_pb2.HeaderMap(
         headers=[
@@ -65,7 +69,7 @@ def headers(
     )
     req = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=hm, end_of_stream=eos),
-        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=DUPLEX),  # type: ignore[arg-type]
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=response_mode),  # type: ignore[arg-type]
     )
     if subset is not None:
         s = struct_pb2.Struct()
@@ -304,3 +308,74 @@ def test_the_prefill_backlog_moves_to_decoding_at_the_first_byte_and_streams_cal
     assert observed == (1 if stream else 0)  # a buffered response's first byte is not its first token
     s.on_message(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
     assert rec.decoding_requests == 0 and rec.in_flight_requests == 0
+
+
+def first_body_byte(s: RequestStream) -> None:
+    s.on_message(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: {}\n\n", end_of_stream=False)))
+
+
+@pytest.mark.parametrize(
+    ("response_mode", "served", "observed"),
+    [
+        (DUPLEX, None, 1),
+        (1, None, 1),  # STREAMED: chunks as they come
+        (BUFFERED, None, 0),  # Envoy buffers the response: its first byte is the whole answer
+        (DUPLEX, "10.0.0.0:80", 1),
+        (DUPLEX, "10.0.0.9:80", 0),  # Envoy fell back to another endpoint: not the primary's estimate
+    ],
+)
+def test_calibration_sees_only_first_bytes_that_are_first_tokens_of_the_primary(
+    response_mode: int, served: str | None, observed: int
+) -> None:
+    d = director(n=1)
+    s = RequestStream(d, 1 << 30)
+    s.on_message(headers(path=b"/v1/completions", response_mode=response_mode))
+    s.on_message(body(json.dumps({"model": "m", "prompt": [1, 2, 3], "stream": True}).encode(), True))
+    rh = response_headers()
+    if served is not None:
+        rh.metadata_context.filter_metadata["envoy.lb"].fields[
+            "x-gateway-destination-endpoint-served"
+        ].string_value = served
+    s.on_message(rh)
+    d.clock.advance(0.02)  # type: ignore[attr-defined]
+    first_body_byte(s)
+    assert d.cost is not None
+    assert d.cost.coefficients().get("m", {}).get("observations", 0) == observed
+
+
+@pytest.mark.parametrize(
+    ("stream", "response_mode", "generous"),
+    [
+        (True, DUPLEX, True),
+        (False, DUPLEX, False),
+        (True, BUFFERED, False),
+    ],
+)
+def test_requests_whose_first_byte_is_not_their_first_token_leave_the_backlog_at_their_estimate(
+    stream: bool, response_mode: int, generous: bool
+) -> None:
+    d = director(n=1)
+    s = RequestStream(d, 1 << 30)
+    s.on_message(headers(path=b"/v1/completions", response_mode=response_mode))
+    s.on_message(
+        body(json.dumps({"model": "m", "prompt": list(range(300)), "stream": stream}).encode(), True)
+    )
+    routed = s.routed
+    assert routed is not None and routed.estimate is not None
+    deadline = routed.ticket.first_token_by - routed.routed_at
+    if generous:  # a first byte will come: wait for it, up to 4x the estimate + 0.5 s
+        assert deadline == pytest.approx(4 * routed.estimate.ttft_s + 0.5)
+    else:
+        assert deadline == pytest.approx(routed.estimate.ttft_s)
+
+
+def test_a_repeated_tenant_header_is_refused() -> None:
+    d = director(tenancy=SALTER)
+    s = RequestStream(d, 1 << 30)
+    req = tenant_headers(DUPLEX, tenant="acme")
+    req.request_headers.headers.headers.append(base_pb2.HeaderValue(key="X-Tenant-Id", raw_value=b"other"))
+    s.on_message(req)
+    [resp] = s.on_message(body(BODY, True))
+    assert resp.immediate_response.status.code == 403
+    assert b"TenantAmbiguous" in resp.immediate_response.body
+    assert d.datastore.total_in_flight() == 0

@@ -139,7 +139,7 @@ def test_a_gpu_hit_on_an_idle_pod_wins_and_is_credited() -> None:
     scores, st = score(make_scorer({KV_KEY: svc}), token_request(prompt), [endpoint("a:1"), endpoint("b:1")])
     ests = st.data[ESTIMATES]
     assert st.data[MODE] == "cache-aware"
-    assert ests["a:1"].cached_tokens == 4095  # at most the prompt minus one token
+    assert ests["a:1"].cached_tokens == 4080  # whole blocks, and never the last prompt token
     assert ests["b:1"].cached_tokens == 0
     assert scores[0] == 1.0
     assert scores[1] == pytest.approx(ests["a:1"].ttft_s / ests["b:1"].ttft_s)
@@ -167,7 +167,7 @@ def test_a_degraded_pod_still_gets_credit() -> None:
     svc.freshness.problem("a:1", NOW, "orphans")
     _, st = score(make_scorer({KV_KEY: svc}), token_request(prompt), [endpoint("a:1"), endpoint("b:1")])
     assert st.data[MODE] == "degraded"
-    assert st.data[ESTIMATES]["a:1"].cached_tokens == 2047
+    assert st.data[ESTIMATES]["a:1"].cached_tokens == 2032
 
 
 def test_every_pod_stale_is_load_only() -> None:
@@ -214,7 +214,7 @@ def test_another_tenants_prefix_gives_no_affinity() -> None:
     _, st = score(make_scorer({KV_KEY: svc}), token_request(prompt, cache_salt="t1-tenant-b"), eps)
     assert st.data[ESTIMATES]["a:1"].cached_tokens == 0
     _, st = score(make_scorer({KV_KEY: svc}), token_request(prompt, cache_salt="t1-tenant-a"), eps)
-    assert st.data[ESTIMATES]["a:1"].cached_tokens == 4095
+    assert st.data[ESTIMATES]["a:1"].cached_tokens == 4080
 
 
 def test_the_scorer_uses_the_shared_cost_model_and_its_calibration() -> None:
@@ -324,7 +324,7 @@ def test_default_profile_a_gpu_hit_behind_a_three_second_queue_loses_to_an_idle_
     d = s.schedule(token_request(prompt), [endpoint("a:1", waiting=waiting), endpoint("b:1")]).decision
     assert d.primary == "b:1"
     assert d.mode == "cache-aware"
-    assert d.estimates["a:1"].cached_tokens == n - 1
+    assert d.estimates["a:1"].cached_tokens == n - 16  # the last block is recomputed (block 16)
     assert d.estimates["a:1"].queue_s >= 3.0
     assert d.estimates["b:1"].ttft_s == pytest.approx(P.prefill_s(n, 0))
     # without the queue the hit wins
@@ -338,15 +338,15 @@ def test_default_profile_cpu_tier_beats_recompute_for_a_long_prompt_not_a_short_
     hold(svc, "a:1", long_prompt, "cpu", 1)
     fresh(svc, "b:1")
     n = len(long_prompt)
-    savings = P.prefill_s(n, 0) - P.reload_s("cpu", n - 1) - P.prefill_s(1, n - 1)  # type: ignore[operator]
+    savings = P.prefill_s(n, 0) - P.reload_s("cpu", n - 16) - P.prefill_s(16, n - 16)  # type: ignore[operator]
     waiting = int(0.5 * savings / P.prefill_s(P.unknown_request_tokens, 0))
     assert waiting >= 1
     eps = [endpoint("a:1", waiting=waiting), endpoint("b:1")]
     s = scheduler({KV_KEY: svc})
     d = s.schedule(token_request(long_prompt), eps).decision
     assert d.primary == "a:1"
-    assert d.estimates["a:1"].reloaded_tokens == n - 1
-    assert d.estimates["a:1"].reload_s == pytest.approx(P.reload_s("cpu", n - 1))
+    assert d.estimates["a:1"].reloaded_tokens == n - 16
+    assert d.estimates["a:1"].reload_s == pytest.approx(P.reload_s("cpu", n - 16))
 
     short = long_prompt[:32]  # the same prefix, two blocks of it
     d = s.schedule(token_request(short), eps).decision

@@ -90,7 +90,8 @@ class TtftScorer:
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
     ) -> list[float]:
         tokens, held = self._held(state, request, endpoints)
-        table = self.cost.estimate_all(request.model, endpoints, tokens, held)
+        bs = self.kv.block_size if self.kv is not None else 1
+        table = self.cost.estimate_all(request.model, endpoints, tokens, held, bs)
         times = table.ttft
         best = float(times.min())
         state.data[ESTIMATES] = table
