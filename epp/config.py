@@ -21,6 +21,22 @@ import msgspec
 import yaml
 
 from epp.clock import Clock
+from epp.config_sections import (
+    AdmissionEntry,
+    ConfigError,
+    ExplainConfig,
+    ExplainEntry,
+    IndexConfig,
+    IndexEntry,
+    KvEventsConfig,
+    KvEventsEntry,
+    TenancyEntry,
+    _Struct,
+    admission_config,
+    explain_config,
+    kv_events_config,
+    tenancy_config,
+)
 from epp.costmodel.profile import ProfileError
 from epp.costmodel.service import CostModelSettings, parse_cost_model
 from epp.durations import parse_duration
@@ -36,22 +52,6 @@ from epp.tenancy import TenancyConfig
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1",)
 KIND = "EndpointPickerConfig"
-
-
-class ConfigError(ValueError):
-    def __init__(self, source: str, where: str, field: str, message: str) -> None:
-        self.source = source
-        self.where = where
-        self.field = field
-        self.message = message
-        loc = f"{source}: {where}" if where else source
-        if field:
-            loc += f": field {field!r}"
-        super().__init__(f"{loc}: {message}")
-
-
-class _Struct(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
-    pass
 
 
 class PluginEntry(_Struct):
@@ -86,40 +86,6 @@ class ObjectiveEntry(_Struct):
     priority: int = 0
 
 
-class KvEventsEntry(_Struct):
-    mode: str = "off"
-    port: int = 5557
-    bind: str = "tcp://*:5557"
-    replay_port: int | None = None
-    topic_filters: list[str] = msgspec.field(default_factory=lambda: [""])
-    dp_ranks: int = 1
-    replay_timeout: str | float = "2s"
-    replay_retries: int = 2
-    receive_high_water_mark: int = 100_000
-
-
-class IndexEntry(_Struct):
-    block_size: int = 16
-    max_entries: int = 10_000_000
-
-
-class AdmissionEntry(_Struct):
-    ttft_slo: str | float | None = None
-    max_retry_after: str | float = "60s"
-
-
-class TenancyEntry(_Struct):
-    header: str = "x-tenant-id"
-    missing: str = "shared"
-    secret_file: str | None = None
-    secret_env: str | None = None
-
-
-class ExplainEntry(_Struct):
-    keep: int = 100
-    response_header: bool = False
-
-
 class ConfigDoc(_Struct):
     api_version: str
     kind: str
@@ -144,55 +110,6 @@ class StaticEndpoint:
     model: str | None = None
 
 
-KV_EVENT_MODES = ("per-pod", "central", "off")
-
-
-@dataclass(frozen=True, slots=True)
-class KvEventsConfig:
-    """How the EPP receives engine KV events (see epp/sources/kv_events.py)."""
-
-    mode: str = "off"
-    port: int = 5557
-    bind: str = "tcp://*:5557"
-    replay_port: int | None = None
-    topic_filters: tuple[str, ...] = ("",)
-    dp_ranks: int = 1
-    replay_timeout: float = 2.0
-    replay_retries: int = 2
-    rcvhwm: int = 100_000
-    sync_interval: float = 0.5
-
-    def check(self) -> tuple[str, str] | None:
-        """(field, message) of the first invalid setting, or None."""
-        if self.mode not in KV_EVENT_MODES:
-            return "mode", f"must be one of {', '.join(KV_EVENT_MODES)}, got {self.mode!r}"
-        if not 0 < self.port < 65536:
-            return "port", f"must be in 1..65535, got {self.port}"
-        if self.replay_port is not None and not 0 < self.replay_port < 65536:
-            return "replayPort", f"must be in 1..65535, got {self.replay_port}"
-        if self.dp_ranks < 1:
-            return "dpRanks", "must be >= 1"
-        if self.replay_retries < 0:
-            return "replayRetries", "must be >= 0"
-        if self.rcvhwm < 1:
-            return "receiveHighWaterMark", "must be >= 1"
-        if self.mode == "central" and not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            return "bind", f"must be a ZeroMQ endpoint such as tcp://*:5557, got {self.bind!r}"
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class IndexConfig:
-    block_size: int = 16
-    max_entries: int = 10_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class ExplainConfig:
-    keep: int = 100  # decisions kept for /debug/decisions
-    response_header: bool = False  # x-epp-decision on responses
-
-
 @dataclass(frozen=True, slots=True)
 class EppConfig:
     source: str
@@ -200,8 +117,8 @@ class EppConfig:
     endpoints: tuple[StaticEndpoint, ...]
     objectives: Mapping[str, int]
     saturation: SaturationDetector
-    kv_events: KvEventsConfig = KvEventsConfig()
-    index: IndexConfig = IndexConfig()
+    kv_events: KvEventsConfig = dataclasses.field(default_factory=KvEventsConfig)
+    index: IndexConfig = dataclasses.field(default_factory=IndexConfig)
     tokenizers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cost_model: CostModelSettings = dataclasses.field(default_factory=CostModelSettings)
     admission: Admission = dataclasses.field(default_factory=Admission)
@@ -315,7 +232,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     if sat.queue_depth_threshold < 0:
         raise ConfigError(source, "saturationDetector", "queueDepthThreshold", "must be >= 0")
     saturation = SaturationDetector(sat.queue_depth_threshold, sat.kv_cache_util_threshold, staleness)
-    kv = _kv_events(source, doc.kv_events or KvEventsEntry())
+    kv = kv_events_config(source, doc.kv_events or KvEventsEntry())
     idx = doc.index or IndexEntry()
     if idx.block_size < 1:
         raise ConfigError(source, "index", "blockSize", "must be >= 1")
@@ -338,64 +255,10 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         IndexConfig(idx.block_size, idx.max_entries),
         dict(doc.tokenizers),
         cost_model,
-        _admission(source, doc.admission or AdmissionEntry()),
-        _tenancy(source, doc.tenancy),
-        _explain(source, doc.explain or ExplainEntry()),
+        admission_config(source, doc.admission or AdmissionEntry()),
+        tenancy_config(source, doc.tenancy),
+        explain_config(source, doc.explain or ExplainEntry()),
     )
-
-
-def _admission(source: str, e: AdmissionEntry) -> Admission:
-    def duration(field: str, value: str | float) -> float:
-        try:
-            return parse_duration(value)
-        except ValueError as err:
-            raise ConfigError(source, "admission", field, str(err)) from None
-
-    slo = None if e.ttft_slo is None else duration("ttftSlo", e.ttft_slo)
-    retry = duration("maxRetryAfter", e.max_retry_after)
-    if slo is not None and slo <= 0:
-        raise ConfigError(source, "admission", "ttftSlo", "must be > 0")
-    if retry < 1:
-        raise ConfigError(source, "admission", "maxRetryAfter", "must be at least 1s")
-    return Admission(slo, 1, int(retry))
-
-
-def _tenancy(source: str, e: TenancyEntry | None) -> TenancyConfig | None:
-    if e is None:
-        return None
-    t = TenancyConfig(e.header.lower(), e.missing, e.secret_file, e.secret_env)
-    problem = t.check()
-    if problem is not None:
-        raise ConfigError(source, "tenancy", problem[0], problem[1])
-    return t
-
-
-def _explain(source: str, e: ExplainEntry) -> ExplainConfig:
-    if not 0 <= e.keep <= 10_000:
-        raise ConfigError(source, "explain", "keep", f"must be in 0..10000, got {e.keep}")
-    return ExplainConfig(e.keep, e.response_header)
-
-
-def _kv_events(source: str, e: KvEventsEntry) -> KvEventsConfig:
-    try:
-        timeout = parse_duration(e.replay_timeout)
-    except ValueError as err:
-        raise ConfigError(source, "kvEvents", "replayTimeout", str(err)) from None
-    kv = KvEventsConfig(
-        e.mode,
-        e.port,
-        e.bind,
-        e.replay_port,
-        tuple(e.topic_filters),
-        e.dp_ranks,
-        timeout,
-        e.replay_retries,
-        e.receive_high_water_mark,
-    )
-    problem = kv.check()
-    if problem is not None:
-        raise ConfigError(source, "kvEvents", problem[0], problem[1])
-    return kv
 
 
 def load_config(path: str) -> EppConfig:

@@ -15,6 +15,7 @@ PURE = [
     "epp/tenancy.py",
     "epp/types.py",
     "epp/config.py",
+    "epp/config_sections.py",
     "epp/requests.py",
     "epp/usage.py",
     "epp/datastore.py",
