@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 from epp.clock import MonotonicClock
 from epp.config import (
-    ConfigError,
     EppConfig,
     StaticEndpoint,
     build_scheduler,
@@ -22,6 +21,7 @@ from epp.config import (
     load_config,
     parse_endpoint_address,
 )
+from epp.config_sections import ConfigError
 from epp.durations import parse_duration
 from epp.kvindex.prompt import TokenizerError
 from epp.scheduling.builtin import default_registry

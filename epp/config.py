@@ -354,3 +354,20 @@ def _build_profile(
     if picker is None:
         picker = ("max-score-picker", MaxScorePicker("max-score-picker", 1))
     return SchedulerProfile(profile.name, filters, scorers, picker[1], picker[0])
+
+
+__all__ = [
+    "DEFAULT_CONFIG_YAML",
+    "LOAD_AWARE_CONFIG_YAML",
+    "ConfigError",
+    "EppConfig",
+    "ExplainConfig",
+    "IndexConfig",
+    "KvEventsConfig",
+    "StaticEndpoint",
+    "build_scheduler",
+    "default_config",
+    "load_config",
+    "parse_config",
+    "parse_endpoint_address",
+]

@@ -454,9 +454,12 @@ class Holdings:
         """(tier, chunk, key) masks of the pods holding each key, 0 where absent: one probe per (key,
         chunk) whatever the number of tiers."""
         n = len(keys)
-        slots = self.blocks.find(np.tile(keys, len(chunks)), np.repeat(np.array(chunks, dtype=np.uint16), n))
-        hit = np.flatnonzero(slots >= 0)
-        out = np.zeros((len(tiers), len(chunks) * n), dtype=np.uint32)
-        for i, t in enumerate(tiers):
-            out[i, hit] = self.blocks.cols[f"m{t}"][slots[hit]]
+        out = np.empty((len(tiers), len(chunks) * n), dtype=np.uint32)
+        if self.blocks.size == 0 or out.size == 0:
+            out.fill(0)
+        else:
+            slots, found = self.blocks.locate(keys, chunks)  # slots are valid indices, even where absent
+            for i, t in enumerate(tiers):
+                self.blocks.cols[f"m{t}"].take(slots, out=out[i], mode="clip")  # ("raise": via a copy)
+            out *= found
         return out.reshape(len(tiers), len(chunks), n)

@@ -28,7 +28,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from epp.clock import Clock
-from epp.config import KvEventsConfig
+from epp.config_sections import KvEventsConfig
 from epp.datastore import Datastore
 from epp.kvindex.ingest import KvIngest, NeedReplay
 from epp.kvindex.sequence import END_OF_REPLAY
