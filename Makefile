@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/kv_prompt.py
 	$(BIN)/python benchmarks/kv_index.py
 	$(BIN)/python benchmarks/kv_ingest.py
+	$(BIN)/python benchmarks/kv_probe.py
 	$(BIN)/python benchmarks/ttft_schedule.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/overhead.py
 
