@@ -7,6 +7,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from epp import accounting
 from epp.clock import Clock
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore, Ticket
@@ -18,13 +19,6 @@ from epp.server.metrics import EppMetrics
 from epp.tenancy import TenantSalter
 from epp.types import Decision, InferenceRequest, TtftEstimate
 from epp.usage import Usage
-
-FIRST_TOKEN_DEADLINE_FACTOR = 4.0
-"""A streamed request leaves the prefill backlog at its first byte, or at the latest after this many
-times its estimated TTFT (plus FIRST_TOKEN_DEADLINE_FLOOR), so a lost stream cannot hold the
-backlog. A request whose first byte is not its first token (not streamed, or Envoy buffers the
-response) leaves it when its estimated TTFT has passed."""
-FIRST_TOKEN_DEADLINE_FLOOR = 0.5
 
 log = logging.getLogger("epp.director")
 
@@ -107,15 +101,7 @@ class Director:
         m.requests(request.model, request.model).inc()
         m.running(request.model).inc()
         observable = request.stream and streamed_response
-        est = decision.estimates.get(decision.primary)
-        if est is not None:
-            if observable:
-                deadline = t1 + FIRST_TOKEN_DEADLINE_FACTOR * est.ttft_s + FIRST_TOKEN_DEADLINE_FLOOR
-            else:  # the first byte comes with the whole answer: count it decoding once its TTFT passed
-                deadline = t1 + est.ttft_s
-            ticket = self.datastore.begin(decision.primary, est.prompt_tokens, est.work, deadline)
-        else:
-            ticket = self.datastore.begin(decision.primary, request.prompt_tokens_estimate)
+        ticket = accounting.begin(self.datastore, request, decision, t1, observable)
         if self.decisions is not None:
             self.decisions.add(t1, request, decision)
         return RoutedRequest(request, decision, ticket, t1, body=new_body, observable=observable)
@@ -138,19 +124,17 @@ class Director:
         routed.first_byte_at = now = self.clock.now()
         elapsed = now - routed.routed_at
         self.metrics.ttfb(routed.decision.primary).observe(elapsed)
-        self.datastore.first_token(routed.ticket)
-        est = routed.estimate
         # Only a streamed, successful response's first byte is its first token, and only the
         # primary's estimate predicts it (Envoy may have fallen back to another endpoint).
-        if (
-            self.cost is not None
-            and est is not None
-            and routed.observable
+        calibrate = (
+            routed.observable
             and routed.status is not None
             and 200 <= routed.status < 300
             and routed.served in (None, routed.decision.primary)
-        ):
-            self.cost.observe(routed.request.model, est, elapsed)
+        )
+        accounting.first_token(
+            self.datastore, self.cost, routed.request, routed.decision, routed.ticket, elapsed, calibrate
+        )
 
     def finish(self, routed: RoutedRequest, cause: str, usage: Usage | None = None) -> None:
         """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect."""

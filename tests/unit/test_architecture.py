@@ -19,9 +19,18 @@ PURE = [
     "epp/requests.py",
     "epp/usage.py",
     "epp/datastore.py",
+    "epp/accounting.py",
     "epp/durations.py",
     "epp/sources/metrics_text.py",
     "epp/testing/fakes.py",
+    "simulator/kernel.py",
+    "simulator/latency.py",
+    "simulator/hashing.py",
+    "simulator/blocks.py",
+    "simulator/offload.py",
+    "simulator/events.py",
+    "simulator/records.py",
+    "simulator/engine.py",
 ]
 FORBIDDEN_MODULES = {"asyncio", "grpc", "aiohttp", "zmq", "prometheus_client", "kubernetes_asyncio", "time"}
 FORBIDDEN_CALLS = {
