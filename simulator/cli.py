@@ -1,10 +1,55 @@
-"""`epp-sim` command line. Subcommands are added as the simulator lands."""
+"""`epp-sim` command line: `epp-sim replay` runs a trace against every chosen policy side by side.
+
+    epp-sim replay --trace conversation.jsonl --pods 16 --policies all --seed 1 --out results/
+    epp-sim replay --workload shared-prefix --rate 20 --pods 8 --policies ttft,random
+
+Writes `summary.json` (each policy mapped to its figures, named with their units), per-request
+records and PNG plots under `--out`, prints the table, and shows a progress bar on a terminal.
+Bad input exits with status 2 and a message naming the file and line or the flag.
+"""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import subprocess
 import sys
 from collections.abc import Sequence
+from importlib import metadata
+from typing import Any
+
+from tqdm import tqdm
+
+from simulator import report
+from simulator.cluster import ClusterConfig
+from simulator.engine import EngineConfig
+from simulator.latency import DEFAULT_PROFILE, PROFILES
+from simulator.replay import replay, resolve
+from simulator.traces import (
+    TraceError,
+    TraceRequest,
+    agentic,
+    multi_turn,
+    read_azure,
+    read_mooncake,
+    scale_rate,
+    shared_prefix,
+)
+
+WORKLOADS = ("shared-prefix", "multi-turn", "agentic")
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -12,8 +57,118 @@ def build_parser() -> argparse.ArgumentParser:
         prog="epp-sim",
         description="Replay request traces against simulated engines with the production scheduler.",
     )
-    p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    r = sub.add_parser("replay", help="replay a trace against routing policies side by side")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="Mooncake JSONL (.jsonl) or Azure LLM inference CSV (.csv)")
+    src.add_argument("--workload", choices=WORKLOADS, help="a synthetic workload instead of a trace file")
+    r.add_argument("--trace-format", choices=("mooncake", "azure"), help="default: from the file extension")
+    r.add_argument("--requests", type=_positive(int), default=600, help="synthetic: about this many requests")
+    r.add_argument(
+        "--rate", type=_positive(float), default=10.0, help="synthetic: requests (or sessions) per s"
+    )
+    r.add_argument("--rate-scale", type=_positive(float), default=1.0, help="speed the trace up (>1) or down")
+    r.add_argument("--pods", type=_positive(int), default=16)
+    r.add_argument("--policies", default="all", help="comma-separated policy names, or all")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--out", default="results", help="directory for summary.json, records and plots")
+    r.add_argument("--scrape-interval", type=_positive(float), default=0.05, help="seconds")
+    r.add_argument("--event-delay", type=float, default=0.002, help="seconds from engine to router")
+    r.add_argument("--event-loss", type=float, default=0.0, help="fraction of KV-event messages lost")
+    r.add_argument("--num-gpu-blocks", type=_positive(int), default=4096, help="per engine")
+    r.add_argument("--block-size", type=_positive(int), default=16)
+    r.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier per engine (0: none)")
+    r.add_argument("--latency-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+    if args.trace:
+        path = pathlib.Path(args.trace)
+        fmt = args.trace_format or ("azure" if path.suffix.lower() == ".csv" else "mooncake")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise TraceError(str(path), None, f"cannot read: {err.strerror}") from None
+        reader = read_azure if fmt == "azure" else read_mooncake
+        return reader(text, str(path), seed=args.seed), str(path)
+    workload = args.workload or "shared-prefix"
+    n, rate, seed = args.requests, args.rate, args.seed
+    if workload == "shared-prefix":
+        groups = max(1, n // 5)
+        trace = shared_prefix(groups, 5, 2000, 400, 100, rate, seed)
+    elif workload == "multi-turn":
+        trace = multi_turn(max(1, n // 5), 5, 600, 150, 150, rate / 5, seed=seed)
+    else:
+        trace = agentic(max(1, n // 6), 6, 1500, 200, 300, 100, rate / 6, seed=seed)
+    return trace, f"synthetic:{workload}"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("epp")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    names = resolve(args.policies)
+    if not 0.0 <= args.event_loss < 1.0:
+        raise ValueError(f"--event-loss must be in [0, 1), got {args.event_loss}")
+    if args.event_delay < 0 or args.cpu_blocks < 0:
+        raise ValueError("--event-delay and --cpu-blocks must be >= 0")
+    trace, source = load_trace(args)
+    if args.rate_scale != 1.0:
+        trace = scale_rate(trace, args.rate_scale)
+    engine = EngineConfig(
+        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks
+    )
+    cluster = ClusterConfig(
+        pods=args.pods,
+        engine=engine,
+        latency=args.latency_profile,
+        scrape_interval=args.scrape_interval,
+        event_delay=args.event_delay,
+        event_loss=args.event_loss,
+        seed=args.seed,
+    )
+    bar = tqdm(total=len(trace) * len(names), unit="req", disable=args.no_progress or None, file=sys.stderr)
+    try:
+        result = replay(trace, names, cluster, progress=lambda _r: bar.update())
+    finally:
+        bar.close()
+    meta = {
+        "trace": source,
+        "requests": len(trace),
+        "pods": args.pods,
+        "seed": args.seed,
+        "rate_scale": args.rate_scale,
+        "scrape_interval_s": args.scrape_interval,
+        "event_delay_s": args.event_delay,
+        "event_loss": args.event_loss,
+        "num_gpu_blocks": args.num_gpu_blocks,
+        "block_size": args.block_size,
+        "cpu_blocks": args.cpu_blocks,
+        "latency_profile": args.latency_profile,
+        "version": _version(),
+        "commit": _commit(),
+    }
+    out = pathlib.Path(args.out)
+    report.write(out, result.summary, result.records, meta, result.bounds)
+    print(report.table(result.summary, result.bounds))
+    print(f"results in {out}/ (summary.json, records-*.jsonl, ttft_cdf.png, hit_rates.png)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,9 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        print("\nNo simulator commands are available in this version yet.", file=sys.stderr)
         return 2
-    return 0
+    try:
+        return run_replay(args)
+    except (TraceError, ValueError, KeyError) as err:
+        print(f"epp-sim: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

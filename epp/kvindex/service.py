@@ -33,6 +33,8 @@ class KvIndexService:
     def prompt_tokens(self, request: InferenceRequest) -> list[int] | np.ndarray | None:
         """The prompt's token ids as the engine sees them, or None when they cannot be known."""
         prompt = request.prompt
+        if isinstance(prompt, np.ndarray):  # token ids as an array (the simulator): used as they are
+            return prompt
         if prompt is not None and not isinstance(prompt, str):
             return list(prompt)
         tok = self.tokenizers.get(request.model)

@@ -30,6 +30,7 @@ PURE = [
     "simulator/offload.py",
     "simulator/events.py",
     "simulator/records.py",
+    "simulator/kvcache.py",
     "simulator/engine.py",
 ]
 FORBIDDEN_MODULES = {"asyncio", "grpc", "aiohttp", "zmq", "prometheus_client", "kubernetes_asyncio", "time"}

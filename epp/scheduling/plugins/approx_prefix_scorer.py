@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 import xxhash
 
 from epp.scheduling.framework import CycleState, PluginHandle
@@ -38,8 +39,10 @@ def prompt_hashes(request: InferenceRequest, block_chars: int, max_blocks: int) 
         text = _json.encode(list(request.messages)).decode("utf-8", "replace")
     elif isinstance(request.prompt, str):
         text = request.prompt
-    elif request.prompt is not None:
-        text = _json.encode(list(request.prompt)).decode()
+    elif request.prompt is not None:  # token ids: the JSON of the list (only as much as can be hashed)
+        head = request.prompt[: block_chars * max_blocks]
+        ids = head.tolist() if isinstance(head, np.ndarray) else list(head)
+        text = _json.encode(ids).decode()
     else:
         return []
     n = min(len(text) // block_chars, max_blocks)

@@ -1,0 +1,351 @@
+"""The engine's paged KV block pool and prefix cache, following vLLM's V1 `BlockPool`. Pure.
+
+Rules (`shared/reference/vllm-prefix-cache.md`, observed on vLLM 0.32):
+
+- Block 0 is the reserved **null block**: of `num_blocks`, `num_blocks - 1` hold KV.
+- The **free queue** starts as blocks 1, 2, ..., N-1. `allocate(n)` takes `n` blocks from its
+  **front**; taking a block that still holds a cached (hashed) block evicts it: its hash leaves
+  the cache, and the caller reports a `BlockRemoved`.
+- `lookup` finds the longest run of cached full blocks from the start of a chain (the caller
+  caps it); `touch` takes the hit blocks: a hit block that is free leaves the free queue while
+  in use (reference count > 0), so it is refreshed when it is freed again.
+- `cache` gives newly full blocks their hashes. Several physical blocks can hold one hash
+  (vLLM recomputes the last block of a repeated block-aligned prompt); a lookup uses the copy
+  cached first that is still cached, and each copy is evicted on its own.
+- `free` releases a request's blocks in the order given (the engine passes them in reverse):
+  a block whose count drops to 0 goes to the **tail** of the free queue if it is hashed, and to
+  the **front** if it is not (partial blocks are reused first).
+
+Implementation. The free queue is ordered by a stamp per free block: tail appends are stamped
+with their (1-based) index in a numpy FIFO, front pushes with decreasing negative numbers in a
+small stack, so the queue is the front pushes (most recent first) followed by the FIFO in order.
+Both use lazy deletion: an entry is live while its block's stamp still names it (`touch` and
+`allocate` reset a block's stamp to 0). So allocating, touching and freeing a request's blocks
+are a few numpy operations, whatever their number; the hash -> block map is a dict fed and
+drained with bulk calls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import repeat, takewhile
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+Ids = npt.NDArray[np.int64]
+_NO_IDS: Final[Ids] = np.zeros(0, dtype=np.int64)
+
+
+class BlockPool:
+    __slots__ = (
+        "_front",
+        "_head",
+        "_next_front",
+        "_pos",
+        "_q",
+        "_stamp",
+        "_tail",
+        "block_size",
+        "cached",
+        "dups",
+        "hash",
+        "hashed",
+        "num_blocks",
+        "num_free",
+        "ref",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = np.zeros(num_blocks, dtype=np.int64)  # requests using the block
+        self.hash = np.zeros(num_blocks, dtype=np.uint64)
+        self.hashed = np.zeros(num_blocks, dtype=np.bool_)
+        self.cached: dict[int, int] = {}  # hash -> the copy a lookup uses (the first cached)
+        self.dups: dict[int, list[int]] = {}  # hash -> every copy, in caching order (2+ copies only)
+        usable = num_blocks - 1
+        cap = 4 * num_blocks + 64
+        self._pos = np.arange(1, cap + 1, dtype=np.int64)  # FIFO index + 1: the stamp of an entry there
+        self._q = np.zeros(cap, dtype=np.int64)  # FIFO of block ids; live entries are [_head, _tail)
+        self._q[:usable] = np.arange(1, num_blocks)
+        self._stamp = np.zeros(num_blocks, dtype=np.int64)  # 0: not in the free queue
+        self._stamp[1:] = self._pos[:usable]
+        self._head = 0
+        self._tail = usable
+        self._next_front = -1
+        self._front: list[tuple[int, int]] = []  # (block, stamp); the last item is the front
+        self.num_free = usable
+
+    @property
+    def usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - self.num_free
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def lookup(self, hashes: list[int], limit: int) -> list[int]:
+        """Blocks of the longest run of cached hashes from hashes[0], at most `limit` of them."""
+        hs = hashes[:limit] if limit < len(hashes) else hashes
+        return list(takewhile(bool, map(self.cached.get, hs, repeat(0))))  # block ids are >= 1
+
+    def cache(self, ids: Ids, hashes: list[int], values: npt.NDArray[np.uint64]) -> None:
+        """Blocks `ids` (in use, unhashed) now hold the full blocks named `hashes` (`values`: the same
+        hashes as a uint64 array)."""
+        self.hash[ids] = values
+        self.hashed[ids] = True
+        id_list: list[int] = ids.tolist()
+        first = list(map(self.cached.setdefault, hashes, id_list))
+        if first != id_list:
+            for h, b, f in zip(hashes, id_list, first, strict=True):
+                if f != b:
+                    copies = self.dups.get(h)
+                    if copies is None:
+                        self.dups[h] = [f, b]
+                    else:
+                        copies.append(b)
+
+    def cache_one(self, b: int, h: int) -> None:
+        """`cache` for a single block (a decode filling it): scalar operations only."""
+        self.hash[b] = h
+        self.hashed[b] = True
+        first = self.cached.setdefault(h, b)
+        if first != b:
+            copies = self.dups.get(h)
+            if copies is None:
+                self.dups[h] = [first, b]
+            else:
+                copies.append(b)
+
+    def _uncache_one(self, b: int) -> int:
+        h: int = self.hash.item(b)
+        self.hashed[b] = False
+        copies = self.dups.get(h) if self.dups else None
+        if copies is None:
+            del self.cached[h]
+        else:
+            copies.remove(b)
+            self.cached[h] = copies[0]
+            if len(copies) == 1:
+                del self.dups[h]
+        return h
+
+    def _uncache(self, ids: Ids) -> list[int]:
+        hashes: list[int] = self.hash[ids].tolist()
+        self.hashed[ids] = False
+        cached = self.cached
+        if not self.dups:
+            deque(map(cached.__delitem__, hashes), maxlen=0)
+            return hashes
+        for h, b in zip(hashes, ids.tolist(), strict=True):
+            copies = self.dups.get(h)
+            if copies is None:
+                del cached[h]
+                continue
+            copies.remove(b)
+            cached[h] = copies[0]
+            if len(copies) == 1:
+                del self.dups[h]
+        return hashes
+
+    def copies(self, h: int) -> list[int]:
+        """Physical blocks holding hash `h`, in caching order."""
+        copies = self.dups.get(h)
+        if copies is not None:
+            return list(copies)
+        b = self.cached.get(h)
+        return [] if b is None else [b]
+
+    # -- allocation ---------------------------------------------------------------------------
+    def free_among(self, ids: Ids) -> int:
+        """How many of `ids` (hit blocks) sit in the free queue: taking them uses free capacity."""
+        return int(np.count_nonzero(self.ref[ids] == 0)) if len(ids) else 0
+
+    def touch_if_fits(self, ids: Ids, need: int) -> bool:
+        """`touch(ids)` if `need` more blocks can then be allocated (hit blocks that sit in the free queue
+        use free capacity); False, touching nothing, otherwise."""
+        ref = self.ref[ids]
+        idle = ids[ref == 0]
+        if need + len(idle) > self.num_free:
+            return False
+        if len(idle):
+            self._stamp[idle] = 0
+            self.num_free -= len(idle)
+        ref += 1
+        self.ref[ids] = ref
+        return True
+
+    def touch(self, ids: Ids) -> None:
+        """A request takes hit blocks `ids` (distinct): free ones leave the free queue."""
+        if not len(ids):
+            return
+        ref = self.ref[ids]
+        idle = ids[ref == 0]
+        if len(idle):
+            self._stamp[idle] = 0
+            self.num_free -= len(idle)
+        ref += 1
+        self.ref[ids] = ref
+
+    def allocate(self, n: int) -> tuple[Ids, Ids, list[int]]:
+        """Take `n` blocks from the front of the free queue: (blocks, the evicted ones among them, their
+        hashes), both in the order taken. Raises ValueError when fewer than `n` are free."""
+        if n > self.num_free:
+            raise ValueError(f"cannot allocate {n} blocks, {self.num_free} free")
+        if n <= 0:
+            return _NO_IDS, _NO_IDS, []
+        ids = self._pop(n)
+        self._stamp[ids] = 0
+        self.ref[ids] = 1
+        self.num_free -= n
+        hashed = self.hashed[ids]
+        if not hashed.any():
+            return ids, _NO_IDS, []
+        evicted = ids[hashed]
+        return ids, evicted, self._uncache(evicted)
+
+    def allocate_one(self) -> tuple[int, int | None]:
+        """`allocate(1)` with scalar operations: (block, the hash it held and lost, or None)."""
+        if self.num_free < 1:
+            raise ValueError("cannot allocate 1 block, 0 free")
+        b = self._pop_one()
+        self._stamp[b] = 0
+        self.ref[b] = 1
+        self.num_free -= 1
+        return b, (self._uncache_one(b) if self.hashed.item(b) else None)
+
+    def free(self, ids: Ids) -> None:
+        """Release one request's hold on `ids` (distinct), in the order given: blocks nobody uses any more
+        go to the tail (hashed) or the front (unhashed) of the free queue."""
+        if not len(ids):
+            return
+        ref = self.ref[ids]
+        if (ref == 1).all():
+            self.ref[ids] = 0
+            done = ids
+        else:
+            ref -= 1
+            self.ref[ids] = ref
+            done = ids[ref == 0]
+            if not len(done):
+                return
+        self.num_free += len(done)
+        hashed = self.hashed[done]
+        if hashed.all():
+            self._append(done)
+            return
+        self._append(done[hashed])
+        for b in done[~hashed].tolist():
+            s = self._next_front
+            self._next_front = s - 1
+            self._stamp[b] = s
+            self._front.append((b, s))
+
+    # -- the free queue -----------------------------------------------------------------------
+    def _append(self, ids: Ids) -> None:
+        k = len(ids)
+        if not k:
+            return
+        if self._tail + k > len(self._q):
+            self._compact(k)
+        t = self._tail
+        self._q[t : t + k] = ids
+        self._stamp[ids] = self._pos[t : t + k]
+        self._tail = t + k
+
+    def _compact(self, extra: int) -> None:
+        ids = self._q[self._head : self._tail]
+        ids = ids[self._stamp[ids] == self._pos[self._head : self._tail]]
+        n = len(ids)
+        if n + extra > len(self._q):
+            size = 2 * (n + extra) + 64
+            self._q = np.zeros(size, dtype=np.int64)
+            self._pos = np.arange(1, size + 1, dtype=np.int64)
+        self._q[:n] = ids
+        self._stamp[ids] = self._pos[:n]
+        self._head, self._tail = 0, n
+
+    def _pop_one(self) -> int:
+        stamp = self._stamp
+        front = self._front
+        while front:
+            b, s = front.pop()
+            if stamp.item(b) == s:
+                return b
+        q = self._q
+        head = self._head
+        while head < self._tail:
+            b = q.item(head)
+            head += 1
+            if stamp.item(b) == head:  # the entry at index head - 1 is stamped head
+                self._head = head
+                return b
+        raise AssertionError("free queue exhausted: num_free is out of step")
+
+    def _pop(self, n: int) -> Ids:
+        got: list[int] = []
+        front = self._front
+        stamp = self._stamp
+        while front and len(got) < n:
+            b, s = front.pop()
+            if stamp[b] == s:
+                got.append(b)
+        need = n - len(got)
+        if not need:
+            return np.array(got, dtype=np.int64)
+        head, tail = self._head, self._tail
+        q, pos = self._q, self._pos
+        end = head + need
+        if end <= tail:  # fast path: the next `need` entries are all live
+            window = q[head:end]
+            if (stamp[window] == pos[head:end]).all():
+                self._head = end
+                ids = window.copy()
+                return np.concatenate((np.array(got, dtype=np.int64), ids)) if got else ids
+        parts = [np.array(got, dtype=np.int64)] if got else []
+        while need:
+            if head >= tail:
+                raise AssertionError("free queue exhausted: num_free is out of step")
+            end = min(tail, head + need + (need >> 2) + 16)
+            window = q[head:end]
+            live = np.flatnonzero(stamp[window] == pos[head:end])
+            if len(live) >= need:
+                take = live[:need]
+                parts.append(window[take])
+                head += int(take[-1]) + 1
+                need = 0
+            else:
+                parts.append(window[live])
+                head = end
+                need -= len(live)
+        self._head = head
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def free_queue(self) -> list[int]:
+        """The free queue, front first (for tests and debugging; O(queue))."""
+        stamp = self._stamp
+        out = [b for b, s in reversed(self._front) if stamp[b] == s]
+        ids = self._q[self._head : self._tail]
+        out.extend(ids[stamp[ids] == self._pos[self._head : self._tail]].tolist())
+        return out
+
+    def check(self) -> None:
+        """Assert the pool's invariants (tests): free + in use + null == total; the free queue holds
+        exactly the unused blocks; the cache map names exactly the hashed blocks."""
+        queue = self.free_queue()
+        assert len(queue) == len(set(queue)) == self.num_free, "free queue and count disagree"
+        in_use = int(np.count_nonzero(self.ref[1:] > 0))
+        assert self.num_free + in_use + 1 == self.num_blocks, "blocks not conserved"
+        assert all(self.ref[b] == 0 for b in queue) and 0 not in queue, "a used block is free"
+        hashed = set(np.flatnonzero(self.hashed).tolist())
+        named = {b for h in self.cached for b in self.copies(h)}
+        assert hashed == named, "cache map and hashed blocks disagree"
+        for h in self.cached:
+            assert all(int(self.hash[b]) == h for b in self.copies(h)), "a copy under the wrong hash"

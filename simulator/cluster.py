@@ -1,0 +1,203 @@
+"""A simulated cluster: N engines behind the production router, on one event kernel. Pure.
+
+The router side is the EPP's own code, built and fed the way the server does it:
+`epp.config.build_scheduler` from the policy's config file, a `Datastore` of endpoints whose
+metrics are "scraped" from the engines every `scrape_interval` seconds
+(`Engine.metrics` = what the scraper reads from vLLM's `/metrics`), the `BlockIndex` fed by
+`KvIngest.on_live` with each engine's real KV-event payloads after `event_delay` seconds (a
+fraction `event_loss` of them dropped, as a lossy PUB/SUB would), and the request accounting of
+`epp.accounting` (prefill backlog until the first token, calibration, release at the end).
+The router never reads an engine's internals — except for the `oracle` policy, labelled as
+such: it scrapes every engine at every arrival and sees events at once and without loss, to
+show what staleness costs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from epp import accounting
+from epp.config import EppConfig, build_scheduler
+from epp.costmodel.service import SERVICE_KEY as COST_KEY
+from epp.costmodel.service import CostModel
+from epp.datastore import Datastore, Ticket
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.ingest import KvIngest
+from epp.kvindex.prompt import TokenizerRegistry
+from epp.kvindex.service import SERVICE_KEY as KV_KEY
+from epp.kvindex.service import KvIndexService
+from epp.scheduling.builtin import default_registry
+from epp.scheduling.errors import SchedulingError
+from epp.types import ApiKind, Decision, InferenceRequest
+from simulator.engine import Engine, EngineConfig
+from simulator.kernel import Kernel
+from simulator.latency import DEFAULT_PROFILE
+from simulator.records import RequestRecord as EngineRecord
+from simulator.records import SimRequest
+from simulator.results import RequestRecord
+from simulator.traces import TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    pods: int = 16
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    latency: str = DEFAULT_PROFILE
+    scrape_interval: float = 0.05  # seconds between metric scrapes of each engine
+    event_delay: float = 0.002  # seconds from an engine publishing KV events to the router applying them
+    event_loss: float = 0.0  # fraction of KV-event messages lost
+    index_block_size: int = 16
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.pods < 1:
+            raise ValueError("pods must be >= 1")
+        if self.scrape_interval <= 0:
+            raise ValueError("scrape interval must be > 0")
+        if self.event_delay < 0:
+            raise ValueError("event delay must be >= 0")
+        if not 0.0 <= self.event_loss < 1.0:
+            raise ValueError("event loss must be in [0, 1)")
+
+
+@dataclass(slots=True)
+class _InFlight:
+    index: int
+    arrival: float
+    request: InferenceRequest
+    decision: Decision
+    ticket: Ticket
+    routed_at: float
+
+
+def pod_address(i: int) -> str:
+    return f"10.{i // 62500}.{i // 250 % 250}.{i % 250}:8000"
+
+
+class Cluster:
+    def __init__(
+        self,
+        config: EppConfig,
+        cluster: ClusterConfig,
+        oracle: bool = False,
+        on_done: Callable[[RequestRecord], object] | None = None,
+    ) -> None:
+        cluster.check()
+        self.cfg = cluster
+        self.oracle = oracle
+        self.on_done = on_done
+        self.kernel = k = Kernel()
+        self.model = cluster.engine.model
+        self._rng = random.Random(cluster.seed)  # event loss
+        self.datastore = Datastore(k)
+        self.index = BlockIndex(cluster.index_block_size)
+        self.freshness = FreshnessTracker()
+        self.ingest = KvIngest(self.index, self.freshness, lambda pod: self.model)
+        self.kv = KvIndexService(self.index, self.freshness, TokenizerRegistry({}), cluster.index_block_size)
+        self.cost = CostModel(config.cost_model)
+        services = {KV_KEY: self.kv, COST_KEY: self.cost}
+        self.scheduler = build_scheduler(
+            config, default_registry(), k, random.Random(cluster.seed + 1), None, services
+        )
+        self.pods = [pod_address(i) for i in range(cluster.pods)]
+        self.engines: dict[str, Engine] = {}
+        for pod in self.pods:
+            self.datastore.add_endpoint(pod, self.model)
+            self.freshness.connected(pod, 0.0)
+            self.engines[pod] = Engine(
+                k,
+                cluster.engine,
+                cluster.latency,
+                on_events=self._publisher(pod),
+                on_first_token=self._first_token,
+                on_finish=self._finish,
+            )
+        self.records: list[RequestRecord] = []
+        self.rejected = 0
+        self._scrape()
+
+    # -- the router's view -------------------------------------------------------------------------
+    def _scrape(self) -> None:
+        for pod, engine in self.engines.items():
+            self.datastore.record_metrics(pod, engine.metrics())
+        if not self._done():
+            self.kernel.schedule(self.cfg.scrape_interval, self._scrape)
+
+    def _publisher(self, pod: str) -> Callable[[int, bytes, float], None]:
+        def publish(seq: int, payload: bytes, at: float) -> None:
+            if self.oracle:
+                self.ingest.on_live(pod, 0, seq, payload, self.kernel.now(), self.model)
+                return
+            if self.cfg.event_loss and self._rng.random() < self.cfg.event_loss:
+                return
+            now = self.kernel.now()
+            self.kernel.schedule(
+                self.cfg.event_delay, lambda: self.ingest.on_live(pod, 0, seq, payload, now, self.model)
+            )
+
+        return publish
+
+    # -- requests ----------------------------------------------------------------------------------
+    def run(self, trace: Sequence[TraceRequest]) -> list[RequestRecord]:
+        self._pending = len(trace)
+        for r in trace:
+            self.kernel.at(r.arrival, lambda r=r: self._arrive(r))  # type: ignore[misc]
+        self.kernel.run()
+        return self.records
+
+    def _done(self) -> bool:
+        return getattr(self, "_pending", 1) == 0
+
+    def _arrive(self, r: TraceRequest) -> None:
+        now = self.kernel.now()
+        if self.oracle:
+            for pod, engine in self.engines.items():
+                self.datastore.record_metrics(pod, engine.metrics(now))
+        request = InferenceRequest(
+            request_id=str(r.index),
+            api_kind=ApiKind.COMPLETIONS,
+            model=self.model,
+            prompt=cast(Sequence[int], r.prompt),  # an int32 array: keyed as it is
+            stream=True,
+            max_tokens=r.output_tokens,
+            prompt_tokens_estimate=len(r.prompt),
+        )
+        try:
+            decision = self.scheduler.schedule(request, self.datastore.candidates()).decision
+        except SchedulingError:
+            self.rejected += 1
+            self._pending -= 1
+            return
+        ticket = accounting.begin(self.datastore, request, decision, now, observable=True)
+        flight = _InFlight(r.index, r.arrival, request, decision, ticket, now)
+        sim = SimRequest(request.request_id, r.prompt, max(r.output_tokens, 1), context=flight)
+        self.engines[decision.primary].submit(sim)
+
+    def _first_token(self, rec: EngineRecord, now: float) -> None:
+        f: _InFlight = rec.request.context
+        accounting.first_token(
+            self.datastore, self.cost, f.request, f.decision, f.ticket, now - f.routed_at, calibrate=True
+        )
+
+    def _finish(self, rec: EngineRecord, now: float) -> None:
+        f: _InFlight = rec.request.context
+        self.datastore.release(f.ticket)
+        done = RequestRecord(
+            index=f.index,
+            arrival_s=f.arrival,
+            pod=f.decision.primary,
+            prompt_tokens=rec.prompt_tokens,
+            cached_tokens=rec.cached_tokens,
+            loaded_tokens=rec.cpu_loaded_tokens,
+            output_tokens=rec.output_tokens,
+            first_token_s=rec.first_token_s if rec.first_token_s is not None else now,
+            finished_s=now,
+        )
+        self.records.append(done)
+        self._pending -= 1
+        if self.on_done is not None:
+            self.on_done(done)

@@ -1,0 +1,409 @@
+"""One simulated vLLM engine (a pod), close to vLLM's V1 scheduler, driven by the event kernel. Pure.
+
+The scheduler lives here; blocks, the prefix cache, the CPU tier and the KV events are the KV cache
+manager's (`kvcache.py`, over `blocks.py` and `offload.py`), as vLLM splits its `Scheduler` and its
+`KVCacheManager`. Scheduling, per step (one forward pass; its time from
+`latency.LatencyProfile.step_seconds`, so the EPP's cost model describes this engine):
+
+1. Every running request past its prefill decodes one token (it always fits: `max_num_seqs` is at
+   most the token budget). vLLM walks its running queue in admission order and can starve a
+   decode behind a long prefill chunk; here decodes go first (as Sarathi and vLLM V0's chunked
+   prefill do), so a running request never skips a step.
+2. Running requests still in their prefill get the next chunk, in admission order, while the
+   token budget (`max_num_batched_tokens`) lasts: chunked prefill.
+3. Unless a request was preempted in this step, waiting requests are admitted in order while the
+   budget lasts and fewer than `max_num_seqs` run: the prefix-cache hit (GPU, then the CPU tier's
+   continuation, loaded at the tier's bandwidth and latency within the step) counts as computed,
+   the first chunk is scheduled and the blocks for hit + chunk are taken. A request whose blocks
+   do not fit waits, and so does everything behind it (FCFS, as vLLM).
+
+Blocks are taken as needed, as vLLM's `allocate_slots` does: a chunk takes the blocks its tokens
+reach; a decoding request takes one more when its next token starts a block. Full blocks are
+hashed (chained over prompt and generated tokens) and cached when their tokens are scheduled, so a
+request admitted later in the same step already hits them. A request's first output token comes
+at the end of the step that completes its prefill; it finishes after `max_tokens`, and its blocks
+are then freed in reverse order.
+
+Preemption, as vLLM's (recompute): when a running request needs a block and none is free, the
+most recently admitted running request is preempted (its blocks freed, its progress dropped) and
+put at the front of the queue, until the block fits or the request preempted itself. It is
+scheduled again later with its prompt and the tokens it had generated as its prefill (which may
+hit its own freed blocks); its record keeps the hit of its first scheduling and the metrics count
+its query once, as vLLM's do. A request needing more blocks than the engine holds is refused at
+`submit`.
+
+Decode bookkeeping is per event, not per token: a decoding request is looked at only in the steps
+where it starts or fills a block and at its last step (`_wake_start`, `_wake_end`), so a step costs
+Python work for the requests that change state in it, not for the whole batch.
+
+Outputs: KV events (`events.py`) at the end of each step that produced any; `metrics()` as the
+EPP's scraper would read vLLM's `/metrics`; per-request `RequestRecord`s and the callbacks
+`on_first_token(record, t)` and `on_finish(record, t)`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from epp.types import MetricsSnapshot
+from simulator.events import EventSink, OnEvents
+from simulator.kernel import Kernel
+from simulator.kvcache import DECODE, DONE, PREFILL, WAITING, KvCacheManager, ReqState
+from simulator.latency import DEFAULT_PROFILE, LatencyProfile, latency_profile
+from simulator.records import (
+    RequestCallback,
+    RequestRecord,
+    SimRequest,
+    TokenIds,
+    as_token_array,
+    output_tokens,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """vLLM's flags: `--num-gpu-blocks-override`, `--block-size`, `--max-num-batched-tokens`,
+    `--max-num-seqs`; `cpu_blocks`: the CPU offload tier's capacity in blocks (0: none); `model`: the
+    served model name (its metrics' `model_name`); `dp_rank`: the data-parallel rank in its events."""
+
+    num_gpu_blocks: int = 4096  # including vLLM's reserved null block
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    cpu_blocks: int = 0
+    model: str = "model"
+    dp_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be >= 2 (one is the null block)")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.cpu_blocks < 0:
+            raise ValueError("cpu_blocks must be >= 0")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode takes a token)")
+
+
+Wake = list[tuple[ReqState, int]]
+
+
+class Engine:
+    """One engine on `kernel`. `latency`: a `LatencyProfile` or a name in `latency.PROFILES`.
+    `on_events(seq, payload, at)` receives its KV event batches; `on_first_token(record, t)` and
+    `on_finish(record, t)` its requests' progress."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        config: EngineConfig | None = None,
+        latency: LatencyProfile | str = DEFAULT_PROFILE,
+        *,
+        on_events: OnEvents | None = None,
+        on_first_token: RequestCallback | None = None,
+        on_finish: RequestCallback | None = None,
+    ) -> None:
+        self.kernel = kernel
+        self.config = cfg = config or EngineConfig()
+        self.latency = latency_profile(latency) if isinstance(latency, str) else latency
+        if cfg.cpu_blocks and self.latency.cpu_bandwidth_bytes_per_s is None:
+            raise ValueError(f"a CPU tier needs a reload bandwidth; profile {self.latency.name!r} has none")
+        self.block_size = cfg.block_size
+        self.sink = EventSink(on_events, cfg.block_size, cfg.dp_rank) if on_events is not None else None
+        self.kv = KvCacheManager(cfg.num_gpu_blocks, cfg.block_size, cfg.cpu_blocks, self.sink)
+        self.pool = self.kv.pool
+        self.cpu = self.kv.cpu
+        self.on_first_token = on_first_token
+        self.on_finish = on_finish
+        self.waiting: deque[ReqState] = deque()
+        self.running: dict[int, ReqState] = {}  # by admission order
+        self._prefilling: list[ReqState] = []  # running, prefill incomplete, in admission order
+        self._chunks: list[tuple[ReqState, int]] = []  # this step's prefill chunks
+        self._wake_start: dict[int, Wake] = {}  # step -> decoding requests that start / fill a block
+        self._wake_end: dict[int, Wake] = {}  # step -> decoding requests that finish at its end
+        self._n_dec = 0  # decoding requests
+        self._ctx = 0  # their KV tokens, at the start of the current step
+        self._step = 0
+        self._order = 0
+        self._busy = False
+        self._preempted = False
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.steps = 0
+        self.preemptions = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, request: SimRequest) -> RequestRecord:
+        """Queue a request now; ValueError if it is malformed or can never fit the KV cache."""
+        bs = self.block_size
+        prompt = as_token_array(request.prompt_token_ids, "prompt token ids")
+        n = len(prompt)
+        m = request.max_tokens
+        if n == 0:
+            raise ValueError(f"request {request.request_id!r}: empty prompt")
+        if m < 1:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1, got {m}")
+        need = -(-(n + m - 1) // bs)  # the last output token is never fed back
+        if need > self.pool.usable:
+            raise ValueError(
+                f"request {request.request_id!r}: {n} prompt + {m} output tokens need {need} blocks of "
+                f"{bs} tokens; the engine has {self.pool.usable} usable blocks"
+            )
+        tokens = np.concatenate((prompt, output_tokens(request, m - 1))) if m > 1 else prompt
+        rec = RequestRecord(request, n, self.kernel.now())
+        self.waiting.append(self.kv.new_request(rec, tokens))
+        if not self._busy:
+            self._busy = True
+            self.kernel.schedule(0.0, self._start_step)
+        return rec
+
+    # -- one step ------------------------------------------------------------------------------
+    def _start_step(self) -> None:
+        s = self._step
+        self._preempted = False
+        wakes = self._wake_start.pop(s, None)
+        if wakes:
+            for r, epoch in wakes:
+                if r.epoch == epoch and r.phase == DECODE:
+                    self._decode_wake(r, s)
+        if self._prefilling or self.waiting:
+            dt = self._schedule_prefills(s)
+            if dt is None:
+                return
+        elif self._n_dec:
+            self._chunks = []
+            dt = self.latency.step_seconds(0, 0, 0.0, self._n_dec, self._ctx)
+        else:
+            self._busy = False
+            return
+        self.steps += 1
+        self.kernel.schedule(dt, self._end_step)
+
+    def _schedule_prefills(self, s: int) -> float | None:
+        """Steps 2 and 3 of the module docstring; the step's time, or None when the step is empty."""
+        budget = self.config.max_num_batched_tokens - self._n_dec
+        chunks: list[tuple[ReqState, int]] = []
+        tokens = 0
+        pairs = 0.0
+        for r in tuple(self._prefilling):
+            if budget <= 0:
+                break
+            if r.phase != PREFILL:
+                continue  # preempted in this step
+            chunk = min(r.target - r.computed, budget)
+            upto = r.computed + chunk
+            if not self._grow(r, upto, s):
+                continue
+            self.kv.cache_full(r, upto)
+            chunks.append((r, chunk))
+            budget -= chunk
+            tokens += chunk
+            pairs += chunk * (r.computed + chunk / 2.0)
+        starts = 0
+        reload = 0.0
+        if not self._preempted:
+            waiting, running = self.waiting, self.running
+            max_seqs = self.config.max_num_seqs
+            now = self.kernel.now()
+            while waiting and budget > 0 and len(running) < max_seqs:
+                r = waiting[0]
+                loaded = self._admit(r, budget, now)
+                if loaded < 0:
+                    break
+                chunk = r.target - r.computed if r.target - r.computed < budget else budget
+                chunks.append((r, chunk))
+                budget -= chunk
+                tokens += chunk
+                pairs += chunk * (r.computed + chunk / 2.0)
+                starts += 1
+                if loaded:
+                    reload += self.latency.reload_seconds(loaded)
+                self.kv.cache_full(r, r.computed + chunk)
+        if not chunks and not self._n_dec:
+            if self.waiting:  # everything running was preempted: admit in a fresh step
+                self.kernel.schedule(0.0, self._start_step)
+            else:
+                self._busy = False
+            return None
+        self._chunks = chunks
+        return self.latency.step_seconds(starts, tokens, pairs, self._n_dec, self._ctx) + reload
+
+    def _admit(self, r: ReqState, budget: int, now: float) -> int:
+        """Schedule waiting request `r` (the queue's head): -1 if its blocks do not fit, else the tokens it
+        loads from the CPU tier; r.computed is then its hit and its first chunk's blocks are taken."""
+        got = self.kv.admit(r, budget)
+        if got is None:
+            return -1
+        nh, nc, _ = got
+        self.waiting.popleft()
+        r.phase = PREFILL
+        r.order = self._order
+        self._order += 1
+        self.running[r.order] = r
+        self._prefilling.append(r)
+        rec = r.rec
+        if rec.scheduled_s is None:  # not a preempted request's return
+            bs = self.block_size
+            rec.scheduled_s = now
+            rec.cached_tokens = nh * bs
+            rec.cpu_loaded_tokens = nc * bs
+            self.prefix_cache_queries += r.target
+            self.prefix_cache_hits += nh * bs
+        return nc * self.block_size
+
+    def _grow(self, r: ReqState, upto: int, s: int) -> bool:
+        """Blocks for r's first `upto` tokens, preempting the newest running requests if needed; False
+        when r itself was preempted."""
+        kv = self.kv
+        while not kv.grow(r, upto):
+            victim = self.running[next(reversed(self.running))]
+            self._preempt(victim, s)
+            if victim is r:
+                return False
+        return True
+
+    def _preempt(self, v: ReqState, s: int) -> None:
+        del self.running[v.order]
+        if v.phase == DECODE:
+            done = s - v.s0
+            v.computed = v.c0 + done
+            v.outputs = v.o0 + done
+            self._n_dec -= 1
+            self._ctx -= v.computed
+            v.epoch += 1
+        else:
+            self._prefilling.remove(v)
+        self.kv.free(v)
+        v.computed = 0
+        v.target = v.prompt_len + v.outputs
+        v.phase = WAITING
+        self.waiting.appendleft(v)
+        v.rec.preemptions += 1
+        self.preemptions += 1
+        self._preempted = True
+
+    def _decode_wake(self, r: ReqState, s: int) -> None:
+        c = r.c0 + s - r.s0  # the position r computes in step s
+        bs = self.block_size
+        if c % bs == 0 and not self._grow(r, c + 1, s):
+            return
+        if (c + 1) % bs == 0:
+            self.kv.cache_full(r, c + 1)
+        self._wake(r, s + 1)
+
+    def _wake(self, r: ReqState, s: int) -> None:
+        """Look at decoding r again in the first step from `s` where it starts or fills a block."""
+        bs = self.block_size
+        m = (r.c0 + s - r.s0) % bs
+        if m and m != bs - 1:
+            s += bs - 1 - m
+        if s <= r.s_fin:
+            self._wake_start.setdefault(s, []).append((r, r.epoch))
+
+    def _end_step(self) -> None:
+        s = self._step
+        self._step = s + 1
+        now = self.kernel.now()
+        self._ctx += self._n_dec
+        done: list[tuple[RequestCallback | None, RequestRecord]] | None = None
+        ends = self._wake_end.pop(s, None)
+        if ends:
+            done = []
+            for r, epoch in ends:
+                if r.epoch == epoch and r.phase == DECODE:
+                    r.computed = r.c0 + s - r.s0 + 1
+                    r.outputs = r.max_tokens
+                    self._n_dec -= 1
+                    self._ctx -= r.computed
+                    self._finish(r, now)
+                    done.append((self.on_finish, r.rec))
+        if self._chunks:
+            if done is None:
+                done = []
+            self._end_prefills(s, now, done)
+        if self.sink is not None:
+            self.sink.flush(now)
+        if done:
+            for callback, rec in done:
+                if callback is not None:
+                    callback(rec, now)
+        if not (self.waiting or self.running):
+            self._busy = False
+        elif self.kernel.peek() > now:
+            self._start_step()  # nothing else happens at `now`: the same as scheduling it
+        else:
+            self.kernel.schedule(0.0, self._start_step)
+
+    def _end_prefills(
+        self, s: int, now: float, done: list[tuple[RequestCallback | None, RequestRecord]]
+    ) -> None:
+        """The step's prefill chunks are computed: a request whose prefill is complete gets a token."""
+        prefilled = False
+        for r, chunk in self._chunks:
+            r.computed += chunk
+            if r.computed < r.target:
+                continue
+            prefilled = True
+            r.outputs += 1
+            if r.outputs == 1:
+                r.rec.first_token_s = now
+                done.append((self.on_first_token, r.rec))
+            if r.outputs >= r.max_tokens:
+                self._finish(r, now)
+                done.append((self.on_finish, r.rec))
+                continue
+            r.phase = DECODE
+            r.s0 = s + 1
+            r.c0 = r.computed
+            r.o0 = r.outputs
+            r.s_fin = r.s0 + r.max_tokens - r.outputs - 1
+            self._n_dec += 1
+            self._ctx += r.computed
+            self._wake_end.setdefault(r.s_fin, []).append((r, r.epoch))
+            self._wake(r, r.s0)
+        self._chunks = []
+        if prefilled:
+            self._prefilling = [r for r in self._prefilling if r.phase == PREFILL]
+
+    def _finish(self, r: ReqState, now: float) -> None:
+        r.phase = DONE
+        del self.running[r.order]
+        self.kv.free(r)
+        rec = r.rec
+        rec.finished_s = now
+        rec.output_tokens = r.outputs
+
+    # -- observation ---------------------------------------------------------------------------
+    def metrics(self, now: float | None = None) -> MetricsSnapshot:
+        """What the EPP's scraper builds from this engine's vLLM `/metrics` page right now."""
+        pool = self.pool
+        running_loras = frozenset(r.lora for r in self.running.values() if r.lora)
+        waiting_loras = frozenset(r.lora for r in self.waiting if r.lora)
+        return MetricsSnapshot(
+            observed_at=self.kernel.now() if now is None else now,
+            waiting=len(self.waiting),
+            running=len(self.running),
+            kv_usage=pool.num_used / pool.usable,
+            block_size=self.block_size,
+            num_gpu_blocks=self.config.num_gpu_blocks,
+            prefix_cache_queries=float(self.prefix_cache_queries),
+            prefix_cache_hits=float(self.prefix_cache_hits),
+            models=frozenset({self.config.model}),
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
+        )
+
+    def probe(
+        self, token_ids: TokenIds, cache_salt: str | None = None, lora_name: str | None = None
+    ) -> tuple[int, int]:
+        """(tokens of the prompt's longest cached prefix on the GPU, tokens the CPU tier continues it
+        with), both in whole blocks and without vLLM's `len - 1` cap: the engine's true state."""
+        return self.kv.probe(as_token_array(token_ids), cache_salt, lora_name)
+
+    @property
+    def idle(self) -> bool:
+        return not self._busy

@@ -1,0 +1,80 @@
+"""One engine's KV events, encoded as real vLLM wire payloads. Pure (no sockets, no clock).
+
+The engine adds events as its scheduler takes and fills blocks; at the end of each step that
+produced any, `flush` encodes them as one vLLM batch (msgpack `[ts, events, dp_rank]`, events
+map-encoded as vLLM 0.24+ does, with the event structs and `encode_batch` of
+`epp.testing.kv_publisher`) with the engine's next
+sequence number (0, 1, 2, ... per engine, like vLLM's publisher) and hands it to
+`on_events(seq, payload, at)`. `ts` is the simulated time. Whoever receives the payload (the
+cluster) feeds it to the production `KvIngest.on_live`, with whatever delay or loss it models.
+
+Shapes, as vLLM emits them: one `BlockStored` per request and step covering its newly full blocks
+(`parent_block_hash` = the block before them, None at block 0), with their token ids, the block
+size, `medium` "GPU" or "CPU", the LoRA adapter in `lora_name`, and the cache salt as the first
+block's `extra_keys` entry; one `BlockRemoved` per evicted block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+from epp.testing.kv_publisher import BlockRemoved, BlockStored, encode_batch
+
+OnEvents = Callable[[int, bytes, float], object]
+"""(sequence number, msgpack payload, simulated time of publication)."""
+
+GPU = "GPU"
+CPU = "CPU"
+
+
+class EventSink:
+    __slots__ = ("block_size", "dp_rank", "events", "on_events", "published", "seq")
+
+    def __init__(self, on_events: OnEvents, block_size: int, dp_rank: int | None = None) -> None:
+        self.on_events = on_events
+        self.block_size = block_size
+        self.dp_rank = dp_rank
+        self.events: list[Any] = []
+        self.seq = 0
+        self.published = 0  # events
+
+    def stored(
+        self,
+        hashes: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        medium: str,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> None:
+        extra = None
+        if cache_salt and parent is None:
+            extra = [[cache_salt]] + [None] * (len(hashes) - 1)
+        # kv_publisher.stored() without its defensive copies (the lists are the engine's fresh ones)
+        self.events.append(
+            BlockStored(
+                cast("list[int | bytes]", hashes),
+                parent,
+                token_ids,
+                self.block_size,
+                None,
+                medium,
+                lora_name,
+                extra,
+            )
+        )
+
+    def removed(self, hashes: list[int], medium: str) -> None:
+        """One `BlockRemoved` per hash, in order."""
+        self.events.extend([BlockRemoved([h], medium) for h in hashes])
+
+    def flush(self, at: float) -> None:
+        events = self.events
+        if not events:
+            return
+        self.events = []
+        seq = self.seq
+        self.seq = seq + 1
+        self.published += len(events)
+        self.on_events(seq, encode_batch(events, self.dp_rank, ts=at), at)

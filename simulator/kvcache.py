@@ -1,0 +1,263 @@
+"""The engine's KV cache manager (vLLM's `KVCacheManager`): request block tables over the block pool,
+the CPU tier and the KV events. Pure.
+
+The scheduler (`engine.py`) decides who runs; this module takes and releases blocks for it:
+
+- `new_request` hashes a request's blocks once (prompt and the generated tokens it will feed back,
+  `hashing.py`, chained from a root per LoRA adapter and cache salt);
+- `admit` finds the prefix hit (GPU run, capped at floor((len - 1) / block_size) blocks, then the
+  CPU tier's continuation up to the same cap), takes the hit blocks and allocates the rest of the
+  first chunk's blocks, or refuses when they do not fit (the scheduler keeps the request waiting);
+- `grow` allocates the blocks a chunk or a decode token reaches (False when too few are free: the
+  scheduler preempts and retries);
+- `cache_full` hashes and caches the blocks the scheduled tokens fill, as vLLM's `allocate_slots`
+  does when it schedules them, with one `BlockStored` for them;
+- `free` releases a request's blocks in reverse order.
+
+A GPU block evicted by an allocation goes to the CPU tier when there is one (`offload.py`); per
+block, the CPU tier's `BlockStored` (with the block's parent hash, token ids, adapter and salt,
+kept per block for this) is emitted before the GPU's `BlockRemoved`, so an index receiving the
+events always knows the parent of what it stores.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from simulator.blocks import BlockPool, Ids
+from simulator.events import CPU, GPU, EventSink
+from simulator.hashing import block_hashes, root_hash
+from simulator.offload import CpuTier
+
+if TYPE_CHECKING:
+    from simulator.records import RequestRecord
+
+WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
+
+
+class ReqState:
+    """One request inside an engine: its tokens and block table (this module) and its scheduling
+    state (`engine.py`: phase, admission order, and where its decoding started)."""
+
+    __slots__ = (
+        "c0",
+        "computed",
+        "epoch",
+        "hashes",
+        "lora",
+        "max_tokens",
+        "nblocks",
+        "ncached",
+        "o0",
+        "order",
+        "outputs",
+        "phase",
+        "prompt_len",
+        "rec",
+        "s0",
+        "s_fin",
+        "salt",
+        "table",
+        "tag",
+        "target",
+        "tokens",
+        "values",
+    )
+
+    def __init__(
+        self,
+        rec: RequestRecord,
+        tokens: npt.NDArray[np.int64],
+        values: npt.NDArray[np.uint64],
+        tag: int,
+        max_blocks: int,
+    ) -> None:
+        req = rec.request
+        self.rec = rec
+        self.tokens = tokens  # prompt + the outputs that are fed back (all but the last)
+        self.values = values  # hashes of the full blocks of `tokens`
+        self.hashes: list[int] = values.tolist()
+        self.prompt_len = rec.prompt_tokens
+        self.max_tokens = req.max_tokens
+        self.salt = req.cache_salt
+        self.lora = req.lora_name
+        self.tag = tag  # chain (adapter, salt) id
+        self.table: Ids = np.zeros(max_blocks, dtype=np.int64)  # the block ids it holds, in order
+        self.nblocks = 0  # blocks held (table[:nblocks])
+        self.ncached = 0  # of them, full and cached (vLLM's num_cached_block)
+        self.computed = 0  # tokens whose KV is computed (or hit)
+        self.outputs = 0
+        self.target = self.prompt_len  # tokens to prefill: the prompt, plus outputs after a preemption
+        self.phase = WAITING
+        self.order = self.epoch = self.s0 = self.c0 = self.o0 = self.s_fin = 0
+
+
+class KvCacheManager:
+    __slots__ = (
+        "_bfirst",
+        "_bparent",
+        "_btag",
+        "_btok",
+        "_chains",
+        "_roots",
+        "block_size",
+        "cpu",
+        "pool",
+        "sink",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int, cpu_blocks: int, sink: EventSink | None) -> None:
+        self.block_size = bs = block_size
+        self.pool = BlockPool(num_blocks, bs)
+        self.cpu = CpuTier(cpu_blocks) if cpu_blocks else None
+        self.sink = sink
+        if self.cpu is not None:  # what a CPU-tier event needs about an evicted GPU block
+            self._bparent = np.zeros(num_blocks, dtype=np.uint64)
+            self._bfirst = np.zeros(num_blocks, dtype=np.bool_)
+            self._btag = np.zeros(num_blocks, dtype=np.int64)
+            self._btok = np.zeros((num_blocks, bs), dtype=np.int64)
+        self._chains: list[tuple[str | None, str | None]] = []  # tag -> (lora, salt)
+        self._roots: dict[tuple[str | None, str | None], tuple[int, int]] = {}  # -> (root hash, tag)
+
+    def _root(self, lora: str | None, salt: str | None) -> tuple[int, int]:
+        key = (lora, salt or None)
+        got = self._roots.get(key)
+        if got is None:
+            got = self._roots[key] = (root_hash(lora, salt), len(self._chains))
+            self._chains.append(key)
+        return got
+
+    def new_request(self, rec: RequestRecord, tokens: npt.NDArray[np.int64]) -> ReqState:
+        req = rec.request
+        root, tag = self._root(req.lora_name, req.cache_salt)
+        bs = self.block_size
+        return ReqState(rec, tokens, block_hashes(tokens, bs, root), tag, -(-len(tokens) // bs))
+
+    def probe(self, tokens: npt.NDArray[np.int64], salt: str | None, lora: str | None) -> tuple[int, int]:
+        """(GPU prefix tokens, CPU continuation tokens) held for `tokens`, uncapped."""
+        bs = self.block_size
+        root, _ = self._root(lora, salt)
+        hashes: list[int] = block_hashes(tokens, bs, root).tolist()
+        nh = len(self.pool.lookup(hashes, len(hashes)))
+        nc = self.cpu.run(hashes, nh, len(hashes)) if self.cpu is not None else 0
+        return nh * bs, nc * bs
+
+    def admit(self, r: ReqState, budget: int) -> tuple[int, int, int] | None:
+        """Take r's prefix hit and the blocks of its first chunk (at most `budget` tokens): (GPU hit blocks,
+        CPU-loaded blocks, chunk tokens), with r.computed = the hit; None (nothing taken) if they do not
+        fit. r holds no blocks."""
+        bs = self.block_size
+        pool = self.pool
+        n = r.target
+        limit = (n - 1) // bs  # vLLM always computes at least one prompt token
+        hit = pool.lookup(r.hashes, limit)
+        nh = len(hit)
+        cpu = self.cpu
+        nc = cpu.run(r.hashes, nh, limit) if cpu is not None and nh < limit else 0
+        computed = (nh + nc) * bs
+        chunk = min(n - computed, budget)
+        need = -(-(computed + chunk) // bs) - nh
+        table = r.table
+        if nh:
+            hit_ids = np.fromiter(hit, dtype=np.int64, count=nh)
+            if not pool.touch_if_fits(hit_ids, need):
+                return None
+            table[:nh] = hit_ids
+        elif need > pool.num_free:
+            return None
+        if nc and cpu is not None:
+            cpu.load(r.hashes[nh : nh + nc])
+        r.nblocks = r.ncached = nh
+        r.computed = computed
+        self._take(r, need)
+        return nh, nc, chunk
+
+    def grow(self, r: ReqState, upto: int) -> bool:
+        """Blocks for r's first `upto` tokens; False (nothing taken) when too few are free."""
+        need = -(-upto // self.block_size) - r.nblocks
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        self._take(r, need)
+        return True
+
+    def _take(self, r: ReqState, need: int) -> None:
+        pool = self.pool
+        at = r.nblocks
+        if need == 1:  # a decode starting a block: scalar operations
+            b, lost = pool.allocate_one()
+            r.table[at] = b
+            if lost is not None:
+                self._evicted(np.array((b,), dtype=np.int64), [lost])
+        elif need:
+            ids, evicted, ev_hashes = pool.allocate(need)
+            r.table[at : at + need] = ids
+            if len(evicted):
+                self._evicted(evicted, ev_hashes)
+        r.nblocks = at + need
+
+    def cache_full(self, r: ReqState, upto: int) -> None:
+        """Hash and cache r's blocks that the first `upto` tokens fill; one BlockStored for them."""
+        bs = self.block_size
+        a, b = r.ncached, upto // bs
+        if b <= a:
+            return
+        r.ncached = b
+        sink = self.sink
+        if b - a == 1:  # a decode filling a block: scalar operations
+            blk: int = r.table.item(a)
+            h = r.hashes[a]
+            self.pool.cache_one(blk, h)
+            if self.cpu is not None:
+                self._btag[blk] = r.tag
+                self._btok[blk] = r.tokens[a * bs : b * bs]
+                self._bfirst[blk] = a == 0
+                self._bparent[blk] = r.hashes[a - 1] if a else 0
+            if sink is not None:
+                parent = r.hashes[a - 1] if a else None
+                sink.stored([h], parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt)
+            return
+        ids = r.table[a:b]
+        hashes = r.hashes[a:b]
+        self.pool.cache(ids, hashes, r.values[a:b])
+        if self.cpu is not None:
+            self._btag[ids] = r.tag
+            self._btok[ids] = r.tokens[a * bs : b * bs].reshape(b - a, bs)
+            self._bfirst[ids] = False
+            if a:
+                self._bparent[ids] = r.values[a - 1 : b - 1]
+            else:
+                self._bfirst[ids[0]] = True
+                self._bparent[ids[1:]] = r.values[: b - 1]
+        if sink is not None:
+            parent = r.hashes[a - 1] if a else None
+            sink.stored(hashes, parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt)
+
+    def free(self, r: ReqState) -> None:
+        """Release all of r's blocks, last first."""
+        self.pool.free(r.table[: r.nblocks][::-1])
+        r.nblocks = r.ncached = 0
+
+    def _evicted(self, ids: Ids, hashes: list[int]) -> None:
+        """GPU blocks `ids` lost their cached content: report it, and keep it on the CPU tier."""
+        sink = self.sink
+        cpu = self.cpu
+        if cpu is None:
+            if sink is not None:
+                sink.removed(hashes, GPU)
+            return
+        for b, h in zip(ids.tolist(), hashes, strict=True):
+            new, gone = cpu.put(h)
+            if sink is None:
+                continue
+            if new:
+                parent = None if self._bfirst[b] else int(self._bparent[b])
+                lora, salt = self._chains[int(self._btag[b])]
+                sink.stored([h], parent, self._btok[b].tolist(), CPU, lora, salt)
+            if gone:
+                sink.removed(gone, CPU)
+            sink.removed([h], GPU)

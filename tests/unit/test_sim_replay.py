@@ -1,0 +1,128 @@
+"""The simulator end to end: every policy runs on identical clusters, the same seed gives the same
+numbers, a checked-in summary is reproduced, and the command line reports bad input clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+
+from simulator import policies
+from simulator.cli import main
+from simulator.cluster import Cluster, ClusterConfig
+from simulator.engine import EngineConfig
+from simulator.replay import replay, resolve
+from simulator.traces import shared_prefix
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+GOLDEN = DATA / "golden_summary.json"
+SMALL = ClusterConfig(pods=3, engine=EngineConfig(num_gpu_blocks=2048), seed=3)
+
+
+def small_trace() -> list:  # type: ignore[type-arg]
+    return shared_prefix(8, 4, system_tokens=1000, question_tokens=200, output_tokens=30, rate=15, seed=2)
+
+
+def test_every_policy_serves_every_request_and_caching_policies_hit_more() -> None:
+    trace = small_trace()
+    result = replay(trace, resolve("all"), SMALL)
+    assert list(result.summary) == policies.names()
+    for name, recs in result.records.items():
+        assert sorted(r.index for r in recs) == list(range(len(trace))), name
+        assert result.rejected[name] == 0
+        assert all(r.first_token_s >= r.arrival_s and r.finished_s >= r.first_token_s for r in recs)
+    hits = {name: s["token_hit_rate"] for name, s in result.summary.items()}
+    bound = result.bounds["infinite_cache_token_hit_rate"]
+    assert all(h <= bound + 1e-9 for h in hits.values())
+    assert hits["ttft"] > hits["random"] and hits["llm-d-precise"] > hits["round-robin"]
+
+
+def test_the_router_state_returns_to_zero_and_the_index_follows_the_engines() -> None:
+    c = Cluster(policies.load("ttft"), SMALL)
+    c.run(small_trace())
+    for rec in c.datastore.records():
+        assert (rec.in_flight_requests, rec.decoding_requests, rec.prefill_backlog.requests) == (0, 0, 0)
+    # after the run every engine's cached blocks are in the index (events delayed, none lost)
+    c.kernel.run()
+    indexed = {pod: c.index.pod_counts(pod).get("gpu", 0) for pod in c.pods}
+    assert sum(indexed.values()) > 0
+
+
+def test_same_seed_same_numbers_and_another_seed_other_numbers() -> None:
+    trace = small_trace()
+    a = replay(trace, ["ttft", "random"], SMALL).summary
+    b = replay(trace, ["ttft", "random"], SMALL).summary
+    assert a == b
+    c = replay(trace, ["random"], ClusterConfig(pods=3, engine=SMALL.engine, seed=4)).summary
+    assert c["random"] != a["random"]
+
+
+def test_a_small_trace_reproduces_the_checked_in_summary() -> None:
+    """Regenerate with `EPP_UPDATE_GOLDEN=1` after an intended change to the engine model or a policy."""
+    got = replay(small_trace(), ["ttft", "gie-default", "random"], SMALL).summary
+    if os.environ.get("EPP_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12), name
+
+
+def test_the_cli_writes_results(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "res"
+    code = main(
+        [
+            "replay",
+            "--workload",
+            "shared-prefix",
+            "--requests",
+            "40",
+            "--rate",
+            "20",
+            "--pods",
+            "2",
+            "--policies",
+            "ttft,random",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--num-gpu-blocks",
+            "1024",
+        ]
+    )
+    assert code == 0
+    doc = json.loads((out / "summary.json").read_text())
+    assert set(doc["policies"]) == {"ttft", "random"}
+    assert {"ttft_mean_s", "ttft_p99_s", "token_hit_rate", "tpot_mean_s", "load_imbalance"} <= set(
+        doc["policies"]["ttft"]
+    )
+    assert doc["meta"]["pods"] == 2 and doc["meta"]["seed"] == 1
+    assert (out / "ttft_cdf.png").is_file() and (out / "records-ttft.jsonl").is_file()
+    assert "bounds: token hit rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--policies", "ttft,best"], "unknown policy best"),
+        (["--event-loss", "1.5"], "--event-loss"),
+        (["--trace", "/nonexistent/trace.jsonl"], "cannot read"),
+    ],
+)
+def test_bad_cli_input_is_a_clear_error(
+    args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "--no-progress", "--requests", "10", *args]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_a_bad_trace_line_is_named(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n'
+    )
+    assert main(["replay", "--trace", str(bad), "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert f"{bad}:2:" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing written
