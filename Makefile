@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/kv_ingest.py
 	$(BIN)/python benchmarks/kv_probe.py
 	$(BIN)/python benchmarks/ttft_schedule.py
+	$(BIN)/python benchmarks/sim_speed.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/overhead.py
 
 clean:
