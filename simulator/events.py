@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
-from epp.testing.kv_publisher import BlockRemoved, BlockStored, encode_batch
+from epp.testing.kv_wire import BlockRemoved, BlockStored, encode_batch
 
 OnEvents = Callable[[int, bytes, float], object]
 """(sequence number, msgpack payload, simulated time of publication)."""

@@ -23,6 +23,7 @@ PURE = [
     "epp/durations.py",
     "epp/sources/metrics_text.py",
     "epp/testing/fakes.py",
+    "epp/testing/kv_wire.py",
     "simulator/kernel.py",
     "simulator/latency.py",
     "simulator/hashing.py",
@@ -90,3 +91,17 @@ def test_pure_module_has_no_io_clock_or_global_random(path: pathlib.Path) -> Non
 )
 def test_the_scanner_catches_violations(source: str) -> None:
     assert violations(source)
+
+
+def test_the_simulator_core_loads_no_io_library_even_indirectly() -> None:
+    """The simulator runs the production router without asyncio, sockets or metrics exporters."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, simulator.cluster, simulator.replay, epp.scheduling.builtin\n"
+        "io = ('asyncio', 'zmq', 'grpc', 'aiohttp', 'prometheus_client')\n"
+        "print(sorted(m for m in io if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
