@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from epp.kvindex.index import BlockIndex
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttft_schedule import build_index
+
 from epp.kvindex.keys import block_keys, root_key
 
 BS = 16
@@ -32,41 +38,8 @@ MODEL = "m"
 
 
 def build(background: int, seed: int = 0) -> tuple[BlockIndex, list[int]]:
-    """The index of `ttft_schedule.build` (same layout, same seed), and the prompt's tokens."""
-    rng = np.random.default_rng(seed)
-    index = BlockIndex(BS, max_entries=max(10_000_000, 4 * background))
-    pods = [f"10.1.{i // 250}.{i % 250}:8000" for i in range(PODS)]
-    tokens = rng.integers(1, 150_000, size=BLOCKS * BS).tolist()
-    root = root_key(MODEL, None)
-    hashes = rng.integers(0, 2**63, size=BLOCKS).tolist()
-    for i, pod in enumerate(pods):
-        if i < 8:
-            n, tier = BLOCKS, "gpu"
-        elif i < 16:
-            n, tier = BLOCKS, "cpu"
-        elif i < 32:
-            n, tier = int(rng.integers(1, BLOCKS)), "gpu"
-        else:
-            continue
-        for start in range(0, n, 16):  # BlockStored events of 16 blocks, chained
-            end = min(n, start + 16)
-            parent = hashes[start - 1] if start else None
-            index.store(pod, hashes[start:end], parent, tokens[start * BS : end * BS], BS, tier, root)
-    # Background: other prompts' chains spread over every pod (pods 32..63 make chunk 1).
-    other = rng.integers(1, 150_000, size=(64, 16 * BS)).tolist()
-    done = 0
-    chain = 0
-    while done < background:
-        pod = pods[chain % PODS]
-        r = root_key(MODEL, f"bg-{chain}")
-        parent = None
-        for j in range(8):
-            hs = rng.integers(0, 2**63, size=16).tolist()
-            index.store(pod, hs, parent, other[(chain + j) % 64], BS, "gpu", r)
-            parent = hs[-1]
-        done += 8 * 16
-        chain += 1
-    index.flush()
+    """The index of `ttft_schedule.build_index` (same layout, same seed), and the prompt's tokens."""
+    index, tokens, _ = build_index(background, seed)
     return index, tokens
 
 

@@ -67,16 +67,25 @@ def line(name: str, samples: list[float]) -> str:
 
 
 def build(background: int, seed: int = 0) -> tuple[KvIndexService, list[int], list[str]]:
+    """The index of `build_index`, every pod fresh, as the service the scorers read."""
+    index, tokens, pods = build_index(background, seed)
+    fresh = FreshnessTracker()
+    for pod in pods:
+        fresh.connected(pod, 0.0)
+        fresh.message(pod, NOW)
+    return KvIndexService(index, fresh, TokenizerRegistry({}), BS), tokens, pods
+
+
+def build_index(background: int, seed: int = 0) -> tuple[BlockIndex, list[int], list[str]]:
+    """The prompt held by 32 of 64 pods in different ways, among `background` other entries (pods
+    32..63 make the second 32-pod chunk); the prompt's tokens; the pods."""
     rng = np.random.default_rng(seed)
     index = BlockIndex(BS, max_entries=max(10_000_000, 4 * background))
-    fresh = FreshnessTracker()
     pods = [f"10.1.{i // 250}.{i % 250}:8000" for i in range(PODS)]
     tokens = rng.integers(1, 150_000, size=BLOCKS * BS).tolist()
     root = root_key(MODEL, None)
     hashes = rng.integers(0, 2**63, size=BLOCKS).tolist()
     for i, pod in enumerate(pods):
-        fresh.connected(pod, 0.0)
-        fresh.message(pod, NOW)
         if i < 8:
             n, tier = BLOCKS, "gpu"
         elif i < 16:
@@ -104,7 +113,7 @@ def build(background: int, seed: int = 0) -> tuple[KvIndexService, list[int], li
         done += 8 * 16
         chain += 1
     index.flush()
-    return KvIndexService(index, fresh, TokenizerRegistry({}), BS), tokens, pods
+    return index, tokens, pods
 
 
 def main() -> None:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from epp.costmodel.calibration import CalibrationSettings, Calibrator
-from epp.costmodel.estimate import F64, EstimateTable, estimate_all, estimate_ttft, tier_order
+from epp.costmodel.estimate import F64, EstimateTable, estimate_all, tier_order
 from epp.costmodel.profile import (
     DEFAULT_REFERENCE,
     REFERENCE_PROFILES,
@@ -112,18 +113,9 @@ class CostModel:
         held_tokens: Mapping[str, int] | None,
         block_size: int = 1,
     ) -> TtftEstimate:
-        key = self.profile_key(model)
-        c = self._calibrators.get(model)
-        return estimate_ttft(
-            self.settings.profiles[key],
-            endpoint,
-            prompt_tokens,
-            held_tokens,
-            c.prefill_scale if c else 1.0,
-            c.queue_scale if c else 1.0,
-            self._orders[key],
-            block_size,
-        )
+        """One endpoint's estimate; `held_tokens`: tier -> tokens it can take from that tier."""
+        held = {t: np.array([float(v)]) for t, v in (held_tokens or {}).items()}
+        return self.estimate_all(model, [endpoint], prompt_tokens, held, block_size).row(0)
 
     def estimate_all(
         self,
