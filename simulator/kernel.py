@@ -128,22 +128,9 @@ class Kernel:
         if until is not None and not limit >= self._now:
             raise ValueError(f"until {until} is before now {self._now}")
         self._running = True
-        heap = self._heap
-        pop = heapq.heappop
         try:
-            while heap:
-                entry = heap[0]
-                if entry[0] > limit:
-                    break
-                pop(heap)
-                handle = entry[3]
-                callback = handle.callback
-                if callback is None:
-                    continue
-                handle.callback = None
-                self._now = entry[0]
-                self.events_run += 1
-                callback()
+            while self._run_one(limit):
+                pass
         finally:
             self._running = False
         if until is not None and limit > self._now:
