@@ -118,6 +118,7 @@ class Cluster:
             )
         self.records: list[RequestRecord] = []
         self.rejected = 0
+        self._pending = -1  # requests of the trace not yet finished or rejected (-1: not started)
         self._scrape()
 
     # -- the router's view -------------------------------------------------------------------------
@@ -150,7 +151,7 @@ class Cluster:
         return self.records
 
     def _done(self) -> bool:
-        return getattr(self, "_pending", 1) == 0
+        return self._pending == 0
 
     def _arrive(self, r: TraceRequest) -> None:
         now = self.kernel.now()
