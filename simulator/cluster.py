@@ -15,6 +15,7 @@ show what staleness costs.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -118,13 +119,17 @@ class Cluster:
             )
         self.records: list[RequestRecord] = []
         self.rejected = 0
+        self.modes: Counter[str] = Counter()  # picks by mode (cache-aware, degraded, load-only)
         self._pending = -1  # requests of the trace not yet finished or rejected (-1: not started)
         self._scrape()
 
     # -- the router's view -------------------------------------------------------------------------
     def _scrape(self) -> None:
         for pod, engine in self.engines.items():
-            self.datastore.record_metrics(pod, engine.metrics())
+            m = engine.metrics()
+            self.datastore.record_metrics(pod, m)
+            # as the server's subscriber does: misses rising without events make a pod stale
+            self.freshness.engine_misses(pod, (m.prefix_cache_queries or 0.0) - (m.prefix_cache_hits or 0.0))
         if not self._done():
             self.kernel.schedule(self.cfg.scrape_interval, self._scrape)
 
@@ -173,6 +178,8 @@ class Cluster:
             self.rejected += 1
             self._pending -= 1
             return
+        if decision.mode:
+            self.modes[decision.mode] += 1
         ticket = accounting.begin(self.datastore, request, decision, now, observable=True)
         flight = _InFlight(r.index, r.arrival, request, decision, ticket, now)
         sim = SimRequest(request.request_id, r.prompt, max(r.output_tokens, 1), context=flight)

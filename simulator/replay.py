@@ -55,6 +55,9 @@ def replay(
         rejected[name] = c.rejected
         figures = summarize(recs, c.pods)
         figures["rejected"] = float(c.rejected)
+        picks = sum(c.modes.values())
+        for mode in ("cache-aware", "degraded", "load-only"):  # share of picks; 0 for cache-blind policies
+            figures[f"picks_{mode.replace('-', '_')}_rate"] = c.modes[mode] / picks if picks else 0.0
         summary[name] = figures
     capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1)
     bounds = cache_bounds((r.prompt for r in trace), cluster.engine.block_size, capacity)

@@ -126,3 +126,16 @@ def test_a_bad_trace_line_is_named(tmp_path: pathlib.Path, capsys: pytest.Captur
     assert main(["replay", "--trace", str(bad), "--no-progress", "--out", str(tmp_path / "o")]) == 2
     assert f"{bad}:2:" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_lost_kv_events_make_pods_stale_and_picks_lose_cache_credit() -> None:
+    trace = small_trace()
+    clean = replay(trace, ["ttft"], SMALL).summary["ttft"]
+    lossy_cfg = ClusterConfig(pods=3, engine=SMALL.engine, seed=3, event_loss=0.3)
+    lossy = replay(trace, ["ttft"], lossy_cfg)
+    s = lossy.summary["ttft"]
+    assert len(lossy.records["ttft"]) == len(trace)  # nothing lost but cache credit
+    assert clean["picks_cache_aware_rate"] > 0.5  # the rest: pods before their first event
+    assert s["picks_cache_aware_rate"] < 0.1  # gaps: every pod stale or degraded most of the time
+    assert s["picks_degraded_rate"] + s["picks_load_only_rate"] > 0.9
+    assert s["token_hit_rate"] < clean["token_hit_rate"]
