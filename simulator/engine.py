@@ -62,6 +62,7 @@ from simulator.records import (
     output_tokens,
 )
 
+_NONE: frozenset[str] = frozenset()
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -135,10 +136,13 @@ class Engine:
         self.prefix_cache_hits = 0
         self.steps = 0
         self.preemptions = 0
+        self._loras = False  # set once a request names a LoRA adapter
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> RequestRecord:
         """Queue a request now; ValueError if it is malformed or can never fit the KV cache."""
+        if request.lora_name:
+            self._loras = True
         bs = self.block_size
         prompt = as_token_array(request.prompt_token_ids, "prompt token ids")
         n = len(prompt)
@@ -381,8 +385,10 @@ class Engine:
     def metrics(self, now: float | None = None) -> MetricsSnapshot:
         """What the EPP's scraper builds from this engine's vLLM `/metrics` page right now."""
         pool = self.pool
-        running_loras = frozenset(r.lora for r in self.running.values() if r.lora)
-        waiting_loras = frozenset(r.lora for r in self.waiting if r.lora)
+        running_loras = waiting_loras = _NONE
+        if self._loras:  # only engines that ever served an adapter walk their queues for it
+            running_loras = frozenset(r.lora for r in self.running.values() if r.lora)
+            waiting_loras = frozenset(r.lora for r in self.waiting if r.lora)
         return MetricsSnapshot(
             observed_at=self.kernel.now() if now is None else now,
             waiting=len(self.waiting),
