@@ -22,11 +22,26 @@ FIRST_TOKEN_DEADLINE_FLOOR = 0.5
 
 
 def begin(
-    datastore: Datastore, request: InferenceRequest, decision: Decision, now: float, observable: bool
+    datastore: Datastore,
+    request: InferenceRequest,
+    decision: Decision,
+    now: float,
+    observable: bool,
+    cost: CostModel | None = None,
 ) -> Ticket:
     est = decision.estimates.get(decision.primary)
     if est is None:
-        return datastore.begin(decision.primary, request.prompt_tokens_estimate)
+        # A profile without the TTFT estimate (e.g. Dynamo's cost, which counts prefill load): the whole
+        # prompt is the request's prefill work, and the cost model (if any) times its deadline.
+        n = request.prompt_tokens_estimate
+        if cost is None or n <= 0:
+            return datastore.begin(decision.primary, n)
+        profile = cost.profile(request.model)
+        ttft = profile.prefill_s(n)
+        deadline = now + (
+            FIRST_TOKEN_DEADLINE_FACTOR * ttft + FIRST_TOKEN_DEADLINE_FLOOR if observable else ttft
+        )
+        return datastore.begin(decision.primary, n, profile.work(n, 0), deadline)
     if observable:
         deadline = now + FIRST_TOKEN_DEADLINE_FACTOR * est.ttft_s + FIRST_TOKEN_DEADLINE_FLOOR
     else:

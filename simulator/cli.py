@@ -91,6 +91,8 @@ def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
             text = path.read_text(encoding="utf-8")
         except OSError as err:
             raise TraceError(str(path), None, f"cannot read: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise TraceError(str(path), None, f"not UTF-8 text (byte {err.start})") from None
         reader = read_azure if fmt == "azure" else read_mooncake
         return reader(text, str(path), seed=args.seed), str(path)
     workload = args.workload or "shared-prefix"
@@ -126,11 +128,23 @@ def run_replay(args: argparse.Namespace) -> int:
     names = resolve(args.policies)
     if not 0.0 <= args.event_loss < 1.0:
         raise ValueError(f"--event-loss must be in [0, 1), got {args.event_loss}")
-    if args.event_delay < 0 or args.cpu_blocks < 0:
-        raise ValueError("--event-delay and --cpu-blocks must be >= 0")
+    if not 0.0 <= args.event_delay < float("inf") or args.cpu_blocks < 0:
+        raise ValueError("--event-delay must be a finite number >= 0 and --cpu-blocks >= 0")
     trace, source = load_trace(args)
     if args.rate_scale != 1.0:
         trace = scale_rate(trace, args.rate_scale)
+    room = (args.num_gpu_blocks - 1) * args.block_size
+    for r in trace:
+        if len(r.prompt) + r.output_tokens - 1 > room:
+            raise ValueError(
+                f"{source}: request {r.index} (in arrival order) needs {len(r.prompt)} prompt + "
+                f"{r.output_tokens} output tokens; an engine holds {room} (--num-gpu-blocks x --block-size)"
+            )
+    out = pathlib.Path(args.out)
+    try:  # before the simulation, not after it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot create the results directory: {err.strerror}") from None
     engine = EngineConfig(
         num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks
     )
@@ -150,6 +164,11 @@ def run_replay(args: argparse.Namespace) -> int:
         bar.close()
     meta = {
         "trace": source,
+        "trace_format": args.trace_format,
+        "workload": None if args.trace else (args.workload or "shared-prefix"),
+        "synthetic_requests": None if args.trace else args.requests,
+        "synthetic_rate": None if args.trace else args.rate,
+        "policies": names,
         "requests": len(trace),
         "pods": args.pods,
         "seed": args.seed,
@@ -164,7 +183,6 @@ def run_replay(args: argparse.Namespace) -> int:
         "version": _version(),
         "commit": _commit(),
     }
-    out = pathlib.Path(args.out)
     report.write(out, result.summary, result.records, meta, result.bounds)
     print(report.table(result.summary, result.bounds))
     print(f"results in {out}/ (summary.json, records-*.jsonl, ttft_cdf.png, hit_rates.png)")

@@ -121,10 +121,13 @@ class Cluster:
         self.rejected = 0
         self.modes: Counter[str] = Counter()  # picks by mode (cache-aware, degraded, load-only)
         self._pending = -1  # requests of the trace not yet finished or rejected (-1: not started)
+        self._arrivals_left = -1
         self._scrape()
 
     # -- the router's view -------------------------------------------------------------------------
     def _scrape(self) -> None:
+        if self._arrivals_left == 0 and self._pending > 0 and all(e.idle for e in self.engines.values()):
+            raise RuntimeError(f"{self._pending} requests were routed but no engine is working on them")
         for pod, engine in self.engines.items():
             m = engine.metrics()
             self.datastore.record_metrics(pod, m)
@@ -135,21 +138,24 @@ class Cluster:
 
     def _publisher(self, pod: str) -> Callable[[int, bytes, float], None]:
         def publish(seq: int, payload: bytes, at: float) -> None:
-            if self.oracle:
-                self.ingest.on_live(pod, 0, seq, payload, self.kernel.now(), self.model)
-                return
-            if self.cfg.event_loss and self._rng.random() < self.cfg.event_loss:
-                return
-            now = self.kernel.now()
-            self.kernel.schedule(
-                self.cfg.event_delay, lambda: self.ingest.on_live(pod, 0, seq, payload, now, self.model)
-            )
+            if not self.oracle:
+                if self.cfg.event_loss and self._rng.random() < self.cfg.event_loss:
+                    return
+                if self.cfg.event_delay > 0:
+                    self.kernel.schedule(self.cfg.event_delay, lambda: self._deliver(pod, seq, payload))
+                    return
+            self._deliver(pod, seq, payload)
 
         return publish
 
+    def _deliver(self, pod: str, seq: int, payload: bytes) -> None:
+        """As the server's subscriber does: received now; the lag is measured against the batch's ts."""
+        now = self.kernel.now()
+        self.ingest.on_live(pod, 0, seq, payload, now, self.model, now)
+
     # -- requests ----------------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> list[RequestRecord]:
-        self._pending = len(trace)
+        self._pending = self._arrivals_left = len(trace)
         for r in trace:
             self.kernel.at(r.arrival, lambda r=r: self._arrive(r))  # type: ignore[misc]
         self.kernel.run()
@@ -159,6 +165,7 @@ class Cluster:
         return self._pending == 0
 
     def _arrive(self, r: TraceRequest) -> None:
+        self._arrivals_left -= 1
         now = self.kernel.now()
         if self.oracle:
             for pod, engine in self.engines.items():
@@ -180,9 +187,11 @@ class Cluster:
             return
         if decision.mode:
             self.modes[decision.mode] += 1
-        ticket = accounting.begin(self.datastore, request, decision, now, observable=True)
+        ticket = accounting.begin(self.datastore, request, decision, now, True, self.cost)
         flight = _InFlight(r.index, r.arrival, request, decision, ticket, now)
-        sim = SimRequest(request.request_id, r.prompt, max(r.output_tokens, 1), context=flight)
+        sim = SimRequest(
+            request.request_id, r.prompt, max(r.output_tokens, 1), output_token_ids=r.answer, context=flight
+        )
         self.engines[decision.primary].submit(sim)
 
     def _first_token(self, rec: EngineRecord, now: float) -> None:

@@ -64,6 +64,7 @@ from simulator.records import (
 
 _NONE: frozenset[str] = frozenset()
 
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """vLLM's flags: `--num-gpu-blocks-override`, `--block-size`, `--max-num-batched-tokens`,

@@ -26,11 +26,8 @@ class ReplayResult:
 def resolve(names: str | Sequence[str]) -> list[str]:
     """`all`, or comma-separated policy names; ValueError naming the unknown ones."""
     known = policies.names()
-    wanted = (
-        known
-        if names == "all"
-        else [n.strip() for n in (names.split(",") if isinstance(names, str) else names)]
-    )
+    given = names.split(",") if isinstance(names, str) else list(names)
+    wanted = known if names == "all" else [n.strip() for n in given if n.strip()]
     unknown = [n for n in wanted if n not in known]
     if unknown or not wanted:
         raise ValueError(
@@ -59,6 +56,6 @@ def replay(
         for mode in ("cache-aware", "degraded", "load-only"):  # share of picks; 0 for cache-blind policies
             figures[f"picks_{mode.replace('-', '_')}_rate"] = c.modes[mode] / picks if picks else 0.0
         summary[name] = figures
-    capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1)
+    capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1 + cluster.engine.cpu_blocks)
     bounds = cache_bounds((r.prompt for r in trace), cluster.engine.block_size, capacity)
     return ReplayResult(summary, records, bounds, rejected)

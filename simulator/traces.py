@@ -53,6 +53,7 @@ class TraceRequest:
     output_tokens: int
     session: str = ""  # conversation / group it belongs to ("" when none)
     index: int = 0  # position in the trace
+    answer: Tokens | None = None  # the answer's tokens, when a later prompt of the trace contains them
 
 
 class TokenSource:
@@ -126,33 +127,36 @@ def read_mooncake(text: str, source: str = "<mooncake>", seed: int = 0) -> list[
 # -- Azure ----------------------------------------------------------------------------------------
 def read_azure(text: str, source: str = "<azure>", seed: int = 0) -> list[TraceRequest]:
     """Azure LLM inference trace CSV: TIMESTAMP (ISO date-time or seconds), ContextTokens, GeneratedTokens."""
-    reader = csv.DictReader(io.StringIO(text))
+    reader = csv.DictReader(io.StringIO(text.removeprefix("\ufeff")))
     need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
     if reader.fieldnames is None or not need <= set(reader.fieldnames):
         raise TraceError(source, 1, f"header must name {', '.join(sorted(need))}, got {reader.fieldnames}")
     tokens = TokenSource(seed)
     out: list[TraceRequest] = []
-    start: float | None = None
     for i, row in enumerate(reader):
-        line_no = i + 2
+        line_no = reader.line_num
         t = _timestamp(source, line_no, row["TIMESTAMP"])
-        start = t if start is None else start
         try:
             n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
         except (TypeError, ValueError):
             raise TraceError(source, line_no, "ContextTokens and GeneratedTokens must be integers") from None
         if n_in < 1 or n_out < 1:
             raise TraceError(source, line_no, "ContextTokens and GeneratedTokens must be >= 1")
-        out.append(TraceRequest(t - start, tokens.tokens("az", i, n_in), n_out))
-    return _sorted(out, source)
+        out.append(TraceRequest(t, tokens.tokens("az", i, n_in), n_out))
+    start = min((r.arrival for r in out), default=0.0)  # rows need not be in time order
+    return _sorted([replace(r, arrival=r.arrival - start) for r in out], source)
 
 
 def _timestamp(source: str, line: int, value: str | None) -> float:
     text = (value or "").strip()
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise TraceError(source, line, f"TIMESTAMP {text!r} is not a finite number")
+        return seconds
     try:  # Azure writes 7 fractional digits; Python reads 6. Naive times are taken as UTC.
         stamp = datetime.fromisoformat(text.replace(" ", "T")[:26])
     except ValueError:
@@ -217,10 +221,13 @@ def multi_turn(
     rate: float,
     think_time: float = 5.0,
     seed: int = 0,
+    answer_token_s: float = 0.03,
 ) -> list[TraceRequest]:
     """Chat sessions starting at `rate` per second; each turn resends the conversation so far (system
     prompt, earlier user messages and answers) plus a new user message, `think_time` seconds (mean,
-    exponential) after the previous turn's expected end."""
+    exponential) after the previous turn's expected end (its arrival plus `output_tokens x
+    answer_token_s`). Each request carries its answer's tokens (`answer`), so the engine generates
+    exactly what the next turn resends."""
     rng = random.Random(seed)
     src = TokenSource(seed)
     starts = arrivals(sessions, rate, rng)
@@ -231,9 +238,10 @@ def multi_turn(
         for turn in range(turns):
             user = src.tokens("user", s * 1000 + turn, user_tokens)
             prompt = np.concatenate([context, user])
-            out.append(TraceRequest(t, prompt, output_tokens, f"session-{s}"))
             answer = src.tokens("answer", s * 1000 + turn, output_tokens)
+            out.append(TraceRequest(t, prompt, output_tokens, f"session-{s}", answer=answer))
             context = np.concatenate([prompt, answer])
+            t += output_tokens * answer_token_s
             t += rng.expovariate(1.0 / think_time) if think_time > 0 else 0.0
     return _sorted(out, "<multi-turn>")
 
@@ -248,8 +256,10 @@ def agentic(
     rate: float,
     step_gap: float = 1.0,
     seed: int = 0,
+    answer_token_s: float = 0.03,
 ) -> list[TraceRequest]:
-    """Agent loops: each step resends the whole context, grown by the last output and a tool result."""
+    """Agent loops: each step resends the whole context, grown by the last output and a tool result;
+    a step starts `step_gap` seconds (mean, exponential) after the previous one's expected end."""
     rng = random.Random(seed)
     src = TokenSource(seed)
     starts = arrivals(loops, rate, rng)
@@ -260,9 +270,10 @@ def agentic(
         )
         t = start
         for step in range(steps):
-            out.append(TraceRequest(t, context, output_tokens, f"agent-{a}"))
             act = src.tokens("act", a * 1000 + step, output_tokens)
+            out.append(TraceRequest(t, context, output_tokens, f"agent-{a}", answer=act))
             context = np.concatenate([context, act, src.tokens("tool", a * 1000 + step, tool_tokens)])
+            t += output_tokens * answer_token_s
             t += rng.expovariate(1.0 / step_gap) if step_gap > 0 else 0.0
     return _sorted(out, "<agentic>")
 

@@ -101,7 +101,7 @@ class Director:
         m.requests(request.model, request.model).inc()
         m.running(request.model).inc()
         observable = request.stream and streamed_response
-        ticket = accounting.begin(self.datastore, request, decision, t1, observable)
+        ticket = accounting.begin(self.datastore, request, decision, t1, observable, self.cost)
         if self.decisions is not None:
             self.decisions.add(t1, request, decision)
         return RoutedRequest(request, decision, ticket, t1, body=new_body, observable=observable)

@@ -157,3 +157,32 @@ def test_sglang_follows_the_cache_when_balanced_and_load_when_not() -> None:
 def test_sglang_rejects_bad_parameters(params: str, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         one_scorer(f"{{type: sglang-cache-aware-scorer, name: s, parameters: {params}}}")
+
+
+def test_a_profile_without_ttft_estimates_still_puts_its_prompts_in_the_prefill_backlog() -> None:
+    """Dynamo's cost reads the prefill load: the accounting must count it for its picks too."""
+    from epp import accounting
+    from epp.costmodel.service import CostModel
+    from epp.datastore import Datastore
+
+    clock = FakeClock(NOW)
+    ds = Datastore(clock)
+    ds.add_endpoint("a:1")
+    s = one_scorer("{type: dynamo-kv-scorer, name: s}", {SERVICE_KEY: kv()})
+    request = token_request(list(range(640)))
+    decision = s.schedule(request, ds.candidates()).decision
+    assert not decision.estimates  # no TTFT estimate in this profile
+    cost = CostModel()
+    ticket = accounting.begin(ds, request, decision, NOW, True, cost)
+    view = ds.candidates()[0]
+    assert view.prefill_backlog.tokens == 640 and view.prefill_backlog.requests == 1
+    # and Dynamo's cost sees it: 640 / 16 = 40 active prefill blocks on a:1
+    scorer = s.profiles["p"].scorers[0].scorer
+    from epp.scheduling.framework import CycleState
+
+    costs = scorer.costs(CycleState(NOW, random.Random(0)), token_request(list(range(16))), [view])  # type: ignore[attr-defined]
+    assert costs.tolist() == pytest.approx(
+        [40.0 + 1.0 + 40.0]
+    )  # prefill 40 + prompt 1 block; decode 40 blocks
+    ds.first_token(ticket)
+    assert ds.candidates()[0].prefill_backlog.tokens == 0

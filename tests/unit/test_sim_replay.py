@@ -44,10 +44,9 @@ def test_the_router_state_returns_to_zero_and_the_index_follows_the_engines() ->
     c.run(small_trace())
     for rec in c.datastore.records():
         assert (rec.in_flight_requests, rec.decoding_requests, rec.prefill_backlog.requests) == (0, 0, 0)
-    # after the run every engine's cached blocks are in the index (events delayed, none lost)
-    c.kernel.run()
-    indexed = {pod: c.index.pod_counts(pod).get("gpu", 0) for pod in c.pods}
-    assert sum(indexed.values()) > 0
+    # every engine's cached blocks are in the router's index (events delayed, none lost)
+    for pod, engine in c.engines.items():
+        assert c.index.pod_counts(pod).get("gpu", 0) == len(engine.pool.cached) > 0
 
 
 def test_same_seed_same_numbers_and_another_seed_other_numbers() -> None:
@@ -107,8 +106,12 @@ def test_the_cli_writes_results(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
     ("args", "fragment"),
     [
         (["--policies", "ttft,best"], "unknown policy best"),
+        (["--policies", ",,"], "unknown policy (none)"),
         (["--event-loss", "1.5"], "--event-loss"),
+        (["--event-delay", "nan"], "--event-delay must be a finite number"),
         (["--trace", "/nonexistent/trace.jsonl"], "cannot read"),
+        (["--num-gpu-blocks", "8"], "an engine holds 112"),
+        (["--out", "/proc/no-such-dir/results"], "cannot create the results directory"),
     ],
 )
 def test_bad_cli_input_is_a_clear_error(
@@ -139,3 +142,28 @@ def test_lost_kv_events_make_pods_stale_and_picks_lose_cache_credit() -> None:
     assert s["picks_cache_aware_rate"] < 0.1  # gaps: every pod stale or degraded most of the time
     assert s["picks_degraded_rate"] + s["picks_load_only_rate"] > 0.9
     assert s["token_hit_rate"] < clean["token_hit_rate"]
+
+
+def test_a_trace_that_is_not_utf8_is_named(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "t.jsonl"
+    bad.write_bytes(b"\xff\xfe{}")
+    assert main(["replay", "--trace", str(bad), "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert f"{bad}: not UTF-8" in capsys.readouterr().err
+
+
+def test_multi_turn_answers_are_what_the_next_turn_resends_so_they_hit_the_cache() -> None:
+    from simulator.traces import multi_turn
+
+    trace = multi_turn(
+        sessions=4, turns=3, system_tokens=64, user_tokens=32, output_tokens=48, rate=0.5, seed=1
+    )
+    c = Cluster(
+        policies.load("ttft"), ClusterConfig(pods=1, engine=EngineConfig(num_gpu_blocks=4096), seed=1)
+    )
+    recs = {r.index: r for r in c.run(trace)}
+    later = [recs[r.index] for r in trace if r.session == "session-0"][1:]
+    # turn 2 resends turn 1's prompt and answer: all of it but the last (partial) block is cached
+    for rec, req in zip(later, [r for r in trace if r.session == "session-0"][1:], strict=True):
+        assert rec.cached_tokens >= len(req.prompt) - 32 - 16

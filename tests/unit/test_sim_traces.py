@@ -89,6 +89,8 @@ def test_azure_csv_gives_arrivals_and_unique_prompts() -> None:
     ("text", "line", "fragment"),
     [
         ("A,B\n1,2\n", 1, "header must name"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n0,1,1\n\n\n5,x,1\n", 5, "must be integers"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\nnan,1,1\n", 2, "not a finite number"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n", 2, "not seconds or an ISO"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n0,1,1\n1,x,1\n", 3, "must be integers"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n0,0,1\n", 2, ">= 1"),
@@ -153,3 +155,9 @@ def test_arrival_processes_and_rate_scale() -> None:
         arrivals(3, 0.0, rng)
     with pytest.raises(ValueError, match="poisson or gamma"):
         arrivals(3, 1.0, rng, "uniform")
+
+
+def test_azure_rows_out_of_time_order_and_a_bom_are_fine() -> None:
+    text = "\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n10,5,1\n4,6,1\n7,7,1\n"
+    trace = read_azure(text, "a.csv")
+    assert [(r.arrival, len(r.prompt)) for r in trace] == [(0.0, 6), (3.0, 7), (6.0, 5)]
