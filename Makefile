@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/kv_probe.py
 	$(BIN)/python benchmarks/ttft_schedule.py
 	$(BIN)/python benchmarks/sim_speed.py
+	$(BIN)/python benchmarks/engine_replay.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/overhead.py
 
 clean:

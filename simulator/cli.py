@@ -3,6 +3,12 @@
     epp-sim replay --trace conversation.jsonl --pods 16 --policies all --seed 1 --out results/
     epp-sim replay --workload shared-prefix --rate 20 --pods 8 --policies ttft,random
 
+`epp-sim engine-replay` runs requests one at a time on one simulated engine and reports each one's
+`cached_tokens` (and optionally the KV events), to compare with a real vLLM:
+
+    epp-sim engine-replay --requests reqs.jsonl --num-blocks 96 --block-size 32 --out results.jsonl \
+        --events events.jsonl
+
 Writes `summary.json` (each policy mapped to its figures, named with their units), per-request
 records and PNG plots under `--out`, prints the table, and shows a progress bar on a terminal.
 Bad input exits with status 2 and a message naming the file and line or the flag.
@@ -23,6 +29,7 @@ from tqdm import tqdm
 from simulator import report
 from simulator.cluster import ClusterConfig
 from simulator.engine import EngineConfig
+from simulator.engine_replay import EngineReplayError, engine_replay
 from simulator.latency import DEFAULT_PROFILE, PROFILES
 from simulator.replay import replay, resolve
 from simulator.traces import (
@@ -80,7 +87,40 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier per engine (0: none)")
     r.add_argument("--latency-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e = sub.add_parser(
+        "engine-replay", help="run requests one at a time on one simulated engine; report cached_tokens"
+    )
+    e.add_argument("--requests", required=True, help="JSONL: prompt_token_ids, max_tokens, optional i")
+    e.add_argument(
+        "--num-blocks", type=_positive(int), required=True, help="KV blocks, as --num-gpu-blocks-override"
+    )
+    e.add_argument("--block-size", type=_positive(int), required=True, help="tokens per block")
+    e.add_argument("--out", required=True, help="results JSONL: i, prompt_tokens, cached_tokens")
+    e.add_argument("--events", help="also write the KV events (JSONL, vLLM's shapes, tagged with i)")
     return p
+
+
+def _write(path: pathlib.Path, text: str, flag: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write: {err.strerror}") from None
+
+
+def run_engine_replay(args: argparse.Namespace) -> int:
+    path = pathlib.Path(args.requests)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read: {err.strerror}") from None
+    try:  # everything is validated and run before any output is written
+        results, events = engine_replay(data, args.num_blocks, args.block_size, events=bool(args.events))
+    except EngineReplayError as err:
+        raise ValueError(err.located(str(path))) from None
+    _write(pathlib.Path(args.out), results, "--out")
+    if args.events and events is not None:
+        _write(pathlib.Path(args.events), events, "--events")
+    return 0
 
 
 def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
@@ -196,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command == "engine-replay":
+            return run_engine_replay(args)
         return run_replay(args)
     except (TraceError, ValueError, KeyError) as err:
         print(f"epp-sim: {err}", file=sys.stderr)

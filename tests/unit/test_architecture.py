@@ -33,6 +33,7 @@ PURE = [
     "simulator/records.py",
     "simulator/kvcache.py",
     "simulator/engine.py",
+    "simulator/engine_replay.py",
 ]
 FORBIDDEN_MODULES = {"asyncio", "grpc", "aiohttp", "zmq", "prometheus_client", "kubernetes_asyncio", "time"}
 FORBIDDEN_CALLS = {
