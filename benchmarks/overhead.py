@@ -12,10 +12,13 @@ figures are medians over rounds. Everything runs on 127.0.0.1 and every loop is 
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before grpc loads: see tests/conftest.py
+
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys

@@ -5,6 +5,10 @@ Gateway / Envoy AI Gateway generate for an InferencePool: a listener whose HTTP 
 manager runs ``ext_proc`` (the EPP, cluster ``epp``) and then the router to an ORIGINAL_DST
 cluster ``pool`` that connects to whatever ``x-gateway-destination-endpoint`` names.
 ``EnvoyProcess`` writes that bootstrap to a temporary directory and runs Envoy on free ports.
+
+A process that starts Envoy with this module and also uses grpcio should set
+`GRPC_ENABLE_FORK_SUPPORT=false` before importing grpc (grpc/grpc#43055: the forked child can
+abort before it execs); the test suite does so in `tests/conftest.py`.
 """
 
 from __future__ import annotations
