@@ -165,8 +165,6 @@ def estimate_all(
     n = max(prompt_tokens, 1)
     load = np.array([_load(e) for e in endpoints], dtype=np.float64).reshape(k, 9)
     own_req, own_tok, own_pairs, waiting, running, decoding, dec_tokens, free, engine_bs = load.T
-    bs = np.where(engine_bs > 0, engine_bs, float(max(block_size, 1)))
-    cap = np.floor((n - 1) / bs) * bs
     kp = prefill_scale
     fixed, per_tok, per_pair = p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_pair_s
 
@@ -175,32 +173,38 @@ def estimate_all(
         return kp * (fixed + per_tok * u + per_pair * u * (cached + u / 2.0))
 
     zeros = np.zeros(k)
-    held = held_tokens or {}
-    gpu = held.get("gpu")
-    cached = zeros.copy() if gpu is None else np.floor(np.minimum(gpu, cap) / bs) * bs
-    gpu_cached = cached.copy()
-    best_prefill = prefill(cached)
-    best_total = best_prefill.copy()
-    best_cached, best_reload = cached.copy(), zeros.copy()
-    reload_total = zeros.copy()
-    for tier in order if order is not None else tier_order(p):
-        t = held.get(tier)
-        if t is None or not t.any():
-            continue
-        cost = p.tiers[tier]
-        take = np.floor(np.minimum(cached + t, cap) / bs) * bs - cached
-        reload_total = reload_total + np.where(
-            take > 0, cost.latency_s + take * (p.kv_bytes_per_token / cost.bandwidth_bytes_per_s), 0.0
-        )
-        cached = cached + take
-        pre = prefill(cached)
-        total = pre + reload_total
-        better = total < best_total
-        if better.any():
-            best_total = np.where(better, total, best_total)
-            best_prefill = np.where(better, pre, best_prefill)
-            best_cached = np.where(better, cached, best_cached)
-            best_reload = np.where(better, reload_total, best_reload)
+    held = {t: v for t, v in (held_tokens or {}).items() if v.any()}
+    if not held:  # no cache credit anywhere (the load-only case): one prefill for every pod
+        best_cached = gpu_cached = best_reload = zeros
+        best_prefill = np.full(k, kp * (fixed + per_tok * n + per_pair * n * n / 2.0))
+    else:
+        bs = np.where(engine_bs > 0, engine_bs, float(max(block_size, 1)))
+        cap = np.floor((n - 1) / bs) * bs
+        gpu = held.get("gpu")
+        cached = zeros.copy() if gpu is None else np.floor(np.minimum(gpu, cap) / bs) * bs
+        gpu_cached = cached.copy()
+        best_prefill = prefill(cached)
+        best_total = best_prefill.copy()
+        best_cached, best_reload = cached.copy(), zeros.copy()
+        reload_total = zeros.copy()
+        for tier in order if order is not None else tier_order(p):
+            t = held.get(tier)
+            if t is None:
+                continue
+            cost = p.tiers[tier]
+            take = np.floor(np.minimum(cached + t, cap) / bs) * bs - cached
+            reload_total = reload_total + np.where(
+                take > 0, cost.latency_s + take * (p.kv_bytes_per_token / cost.bandwidth_bytes_per_s), 0.0
+            )
+            cached = cached + take
+            pre = prefill(cached)
+            total = pre + reload_total
+            better = total < best_total
+            if better.any():
+                best_total = np.where(better, total, best_total)
+                best_prefill = np.where(better, pre, best_prefill)
+                best_cached = np.where(better, cached, best_cached)
+                best_reload = np.where(better, reload_total, best_reload)
     uncached = n - best_cached
 
     unk = float(p.unknown_request_tokens)
