@@ -120,6 +120,7 @@ async def main() -> None:
     ap.add_argument("--endpoints", type=int, default=16)
     ap.add_argument("--scrape-interval", default="50ms", help="the EPP's --refresh-metrics-interval")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--config", help="EPP config file (default: the built-in default profile)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="epp-bench-"))
@@ -164,6 +165,7 @@ async def main() -> None:
                 args.scrape_interval,
                 "--log-level",
                 "warning",
+                *(["--config", args.config] if args.config else []),
             ],
             preexec_fn=die_with_parent,
         )
@@ -238,7 +240,7 @@ async def main() -> None:
     )
     print(
         f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; "
-        " EPP: plaintext gRPC, default profile"
+        " EPP: plaintext gRPC, " + (f"config {args.config}" if args.config else "default profile")
     )
     print(
         f"EPP idle CPU (scrapes of {args.endpoints} endpoints every 50 ms): {idle_rate * 100:.1f}% of a core"
