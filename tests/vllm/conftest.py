@@ -217,6 +217,7 @@ class VllmEngine:
     event_port: int
     replay_port: int
     log_path: Path
+    extra_args: tuple[str, ...] = ()  # more vLLM flags (e.g. --num-gpu-blocks-override)
     proc: subprocess.Popen[bytes] | None = None
     recorder: EventRecorder | None = None
     argv: list[str] = field(default_factory=list)
@@ -263,6 +264,7 @@ class VllmEngine:
             "--block-size", str(ENGINE_BLOCK_SIZE),
             "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(kv_events),
+            *self.extra_args,
         ]  # fmt: skip
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -316,22 +318,20 @@ class VllmEngine:
             self.recorder = None
 
 
-@pytest.fixture(scope="session")
-def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+@contextlib.contextmanager
+def running_vllm(log_path: Path, extra_args: tuple[str, ...] = ()) -> Iterator[VllmEngine]:
+    """A real vLLM on free loopback ports (skips the test when `make test-vllm` did not set one up)."""
     conf = configured()
     if isinstance(conf, str):
         pytest.skip(conf)
     python, model = conf
-    log_env = os.environ.get(ENV_LOG)
-    log_path = Path(log_env) if log_env else tmp_path_factory.mktemp("vllm") / "vllm.log"
     ports: set[int] = set()
     while len(ports) < 3:
         ports.add(free_port())
     http_port, event_port, replay_port = sorted(ports)
-    engine = VllmEngine(python, model.resolve(), http_port, event_port, replay_port, log_path)
-    timeout = float(os.environ.get(ENV_TIMEOUT, "240"))
+    engine = VllmEngine(python, model.resolve(), http_port, event_port, replay_port, log_path, extra_args)
     try:
-        engine.start(timeout)
+        engine.start(float(os.environ.get(ENV_TIMEOUT, "240")))
     except BaseException as err:
         engine.stop()
         pytest.fail(f"could not start vLLM: {err}", pytrace=False)
@@ -339,3 +339,11 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+    log_env = os.environ.get(ENV_LOG)
+    log_path = Path(log_env) if log_env else tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with running_vllm(log_path) as engine:
+        yield engine

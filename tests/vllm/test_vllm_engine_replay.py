@@ -3,8 +3,7 @@ workload on both, `cached_tokens` compared request by request; it must match exa
 
 vLLM runs with prefix caching, `--block-size 32`, `--num-gpu-blocks-override 96` (95 usable blocks,
 3,040 tokens: the workload evicts often), `--max-num-seqs 1` and `--enable-prompt-tokens-details`.
-The conftest's `VllmEngine` starts vLLM with its usual flags; the extra ones are appended by a tiny
-wrapper script given as its python (argparse takes flags in any order).
+The conftest's `running_vllm` starts vLLM with its usual flags plus these.
 
 The workload (seeded): prompts built from a few shared prefixes (block-aligned and not) plus random
 suffixes, exact repeats of earlier prompts (so the `len - 1` cap and duplicate copies occur), and
@@ -15,8 +14,6 @@ fresh prompts; max_tokens 1-40 (decode fills blocks too). Token ids below the ti
 from __future__ import annotations
 
 import json
-import os
-import stat
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +23,7 @@ import numpy as np
 import pytest
 
 from simulator.cli import main
-from tests.vllm.conftest import ENGINE_BLOCK_SIZE, MODEL_NAME, VllmEngine, configured, free_port
+from tests.vllm.conftest import ENGINE_BLOCK_SIZE, MODEL_NAME, VllmEngine, running_vllm
 
 NUM_BLOCKS = 96
 REQUESTS = 300
@@ -35,30 +32,10 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def small_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
-    conf = configured()
-    if isinstance(conf, str):
-        pytest.skip(conf)
-    python, model = conf
-    tmp = tmp_path_factory.mktemp("vllm-replay")
-    wrapper = tmp / "python"
-    extra = f"--num-gpu-blocks-override {NUM_BLOCKS} --max-num-seqs 1"
-    wrapper.write_text(f'#!/bin/sh\nexec "{python}" "$@" {extra}\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    ports: set[int] = set()
-    while len(ports) < 3:
-        ports.add(free_port())
-    http_port, event_port, replay_port = sorted(ports)
-    log = Path(os.environ.get("EPP_VLLM_LOG", tmp / "vllm.log")).with_suffix(".engine-replay.log")
-    engine = VllmEngine(wrapper, model.resolve(), http_port, event_port, replay_port, log)
-    try:
-        engine.start(float(os.environ.get("EPP_VLLM_START_TIMEOUT", "240")))
-    except BaseException as err:
-        engine.stop()
-        pytest.fail(f"could not start vLLM: {err}", pytrace=False)
-    try:
+    log = tmp_path_factory.mktemp("vllm-replay") / "vllm.engine-replay.log"
+    flags = ("--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "1")
+    with running_vllm(log, flags) as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def workload(n: int, seed: int = 7) -> list[dict[str, Any]]:
