@@ -34,7 +34,8 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.keys import MASK64, fmix_array, mix_tokens, powers
-from epp.kvindex.table import HashTable, Index
+from epp.kvindex.probe import Index
+from epp.kvindex.table import HashTable
 
 MAX_TIERS: Final = 12
 MAX_KEYS_PER_RECORD: Final = 0xFFF

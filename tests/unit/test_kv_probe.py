@@ -10,11 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epp.kvindex import table as table_module
+from epp.kvindex import probe as probe_module
 from epp.kvindex.holdings import CHUNK_BITS
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
-from epp.kvindex.table import BUCKET, HashTable
+from epp.kvindex.probe import BUCKET
+from epp.kvindex.table import HashTable
 
 BS = 4
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -116,7 +117,7 @@ def test_the_probe_matches_a_per_key_lookup(
     assert table.size == len(model)
     with pytest.MonkeyPatch.context() as mp:
         if small_steps:  # the probe in pieces (bounded temporaries)
-            mp.setattr(table_module, "_PROBE_ITEMS", 3)
+            mp.setattr(probe_module, "_PROBE_ITEMS", 3)
         check_probe(table, pool + [k for k in extra if k not in pool], probe_tags, model)
 
 
@@ -147,13 +148,13 @@ def test_a_key_under_many_tags_is_settled_slot_by_slot(monkeypatch: pytest.Monke
     table.insert(np.full(40, key, dtype=np.uint64), np.arange(0, 80, 2, dtype=np.uint16), {})
     table.insert(others, np.zeros(len(others), dtype=np.uint16), {})
     calls = []
-    settle = HashTable._settle
+    settle = probe_module._settle
 
-    def spy(self: HashTable, items: Any, *args: Any) -> None:
+    def spy(table: HashTable, items: Any, *args: Any) -> None:
         calls.append(len(items))
-        settle(self, items, *args)
+        settle(table, items, *args)
 
-    monkeypatch.setattr(HashTable, "_settle", spy)
+    monkeypatch.setattr(probe_module, "_settle", spy)
     probe = [key, *others.tolist(), 7]
     check_probe(
         table,
