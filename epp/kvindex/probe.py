@@ -12,7 +12,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex.keys import MASK64
+from epp.kvindex.keys import _U33, _U_F1, _U_F2, MASK64  # keys.fmix, inlined in place below
 
 BUCKET: Final = 8
 _TAG_MUL: Final = 0xD6E8FEB86659FD93
@@ -22,9 +22,6 @@ _LOW32: Final = np.uint64(0xFFFFFFFF)
 _PROBE_ITEMS: Final = 1 << 15
 _POS_MUL: Final = np.uint64(0x0001020304050607)  # (1 << 8p) * this has p in its top byte, for p < 8
 _U56: Final = np.uint64(56)
-_U33: Final = np.uint64(33)
-_U_F1: Final = np.uint64(0xFF51AFD7ED558CCD)  # keys.fmix's multipliers
-_U_F2: Final = np.uint64(0xC4CEB9FE1A85EC53)
 
 Index = npt.NDArray[np.intp]
 Array = npt.NDArray[Any]
