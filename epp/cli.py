@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
     c.add_argument("file")
     sub.add_parser("plugins", help="list the plugin types this build knows")
+    from epp.demo.runner import add_arguments as add_demo_arguments
+
+    d = sub.add_parser("demo", help="simulated vLLM pods, the EPP and Envoy: default profile vs round-robin")
+    add_demo_arguments(d)
     return p
 
 
@@ -216,6 +220,10 @@ async def _serve(args: argparse.Namespace, cfg: EppConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from epp.demo.runner import main as demo_main
+
+        return demo_main(args)
     if args.command == "plugins":
         for spec in default_registry().types():
             print(f"{spec.type_name:32} {spec.kind:16} {spec.doc}")
