@@ -7,10 +7,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from epp.clock import MonotonicClock
 from epp.config import (
@@ -22,8 +23,14 @@ from epp.config import (
     parse_endpoint_address,
 )
 from epp.config_sections import ConfigError
+from epp.costmodel.service import SERVICE_KEY as COST_KEY
+from epp.costmodel.service import CostModel
+from epp.discovery.settings import DiscoverySettings, resolve_kubeconfig, resolve_namespace
 from epp.durations import parse_duration
-from epp.kvindex.prompt import TokenizerError
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
+from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
 
 
@@ -123,7 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=32 * 1024 * 1024,
         help="largest request body accepted; larger gets 413 (default 32MiB)",
     )
-    s.add_argument("--pool-name", default="default", help="pool name used in metric labels")
+    s.add_argument(
+        "--pool-name",
+        help="InferencePool whose pods are the endpoints (Kubernetes discovery; instead of --endpoints); "
+        "also the name label of the pool metrics (default: default)",
+    )
+    s.add_argument(
+        "--pool-namespace",
+        help="namespace of the InferencePool (default: $NAMESPACE, $POD_NAMESPACE, else default)",
+    )
+    s.add_argument(
+        "--kubeconfig",
+        help="kubeconfig for discovery (default: $KUBECONFIG, else the in-cluster service account)",
+    )
     s.add_argument("--seed", type=int, default=None, help="seed for tie-breaking (default: random)")
     s.add_argument(
         "--enable-debug-endpoints",
@@ -184,10 +203,48 @@ def _load(args: argparse.Namespace) -> EppConfig:
 
 
 def _check(cfg: EppConfig) -> None:
-    build_scheduler(cfg, default_registry(), MonotonicClock(), random.Random(0))
+    """Build the scheduler as `epp serve` does (with the KV index and cost model services)."""
+    kv = KvIndexService(
+        BlockIndex(block_size=cfg.index.block_size, max_entries=cfg.index.max_entries),
+        FreshnessTracker(),
+        TokenizerRegistry(cfg.tokenizers),
+        cfg.index.block_size,
+    )
+    services = {SERVICE_KEY: kv, COST_KEY: CostModel(cfg.cost_model)}
+    build_scheduler(cfg, default_registry(), MonotonicClock(), random.Random(0), services=services)
 
 
-async def _serve(args: argparse.Namespace, cfg: EppConfig) -> None:
+def _discovery(
+    args: argparse.Namespace, cfg: EppConfig, environ: Mapping[str, str]
+) -> DiscoverySettings | None:
+    """Discovery settings when `--pool-name` is given; ConfigError when it clashes with static endpoints."""
+    if args.pool_name is None:
+        for flag, value in (("--pool-namespace", args.pool_namespace), ("--kubeconfig", args.kubeconfig)):
+            if value is not None:
+                raise ConfigError("flags", "", flag, "needs --pool-name (Kubernetes discovery)")
+        return None
+    if args.endpoints or cfg.endpoints:
+        where = "--endpoints" if args.endpoints else f"the endpoints of {cfg.source}"
+        raise ConfigError(
+            "flags",
+            "",
+            "--pool-name",
+            f"Kubernetes discovery cannot be combined with static endpoints ({where}); use one or the other",
+        )
+    settings = DiscoverySettings(
+        pool_name=args.pool_name,
+        namespace=resolve_namespace(args.pool_namespace, environ),
+        kubeconfig=resolve_kubeconfig(args.kubeconfig, environ),
+    )
+    problem = settings.check()
+    if problem is not None:
+        raise ConfigError("flags", "", "--pool-name", problem)
+    return settings
+
+
+async def _serve(
+    args: argparse.Namespace, cfg: EppConfig, discovery: DiscoverySettings | None = None
+) -> None:
     from epp.server.app import EppServer, ServerSettings
 
     settings = ServerSettings(
@@ -201,9 +258,10 @@ async def _serve(args: argparse.Namespace, cfg: EppConfig) -> None:
         metrics_timeout=args.metrics_timeout,
         unhealthy_after_failures=args.unhealthy_after,
         max_body_bytes=args.max_body_size,
-        pool_name=args.pool_name,
+        pool_name=args.pool_name or "default",
         seed=args.seed,
         debug_endpoints=args.enable_debug_endpoints,
+        discovery=discovery,
     )
     server = EppServer(settings, cfg, args.endpoints)
     stop = asyncio.Event()
@@ -236,14 +294,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = _load(args)
         if args.unhealthy_after < 1:
             raise ConfigError("flags", "", "--unhealthy-after", "must be >= 1")
-        if not cfg.endpoints and not args.endpoints:
+        discovery = _discovery(args, cfg, os.environ)
+        if not cfg.endpoints and not args.endpoints and discovery is None:
             raise ConfigError(
-                cfg.source, "", "endpoints", "no endpoints: pass --endpoints or list them in the config"
+                cfg.source,
+                "",
+                "endpoints",
+                "no endpoints: pass --endpoints, list them in the config, "
+                "or --pool-name for Kubernetes discovery",
             )
         logging.basicConfig(
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        asyncio.run(_serve(args, cfg))
+        asyncio.run(_serve(args, cfg, discovery))
     except ConfigError as err:
         print(f"epp: config error: {err}", file=sys.stderr)
         return 2

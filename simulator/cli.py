@@ -9,6 +9,11 @@
     epp-sim engine-replay --requests reqs.jsonl --num-blocks 96 --block-size 32 --out results.jsonl \
         --events events.jsonl
 
+`epp-sim serve-engine` runs one simulated engine in real time as an OpenAI-compatible server with vLLM's
+KV events and `/metrics` (a stand-in for vLLM; see `simulator/serving/`):
+
+    epp-sim serve-engine --port 8000 --model tiny --tokenizer ./tok --kv-events-endpoint 'tcp://*:5557'
+
 Writes `summary.json` (each policy mapped to its figures, named with their units), per-request
 records and PNG plots under `--out`, prints the table, and shows a progress bar on a terminal.
 Bad input exits with status 2 and a message naming the file and line or the flag.
@@ -32,6 +37,7 @@ from simulator.engine import EngineConfig
 from simulator.engine_replay import EngineReplayError, engine_replay
 from simulator.latency import DEFAULT_PROFILE, PROFILES
 from simulator.replay import replay, resolve
+from simulator.serving import command as serve_engine
 from simulator.traces import (
     TraceError,
     TraceRequest,
@@ -97,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=_positive(int), required=True, help="tokens per block")
     e.add_argument("--out", required=True, help="results JSONL: i, prompt_tokens, cached_tokens")
     e.add_argument("--events", help="also write the KV events (JSONL, vLLM's shapes, tagged with i)")
+    serve_engine.add_parser(sub)
     return p
 
 
@@ -238,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "engine-replay":
             return run_engine_replay(args)
+        if args.command == "serve-engine":
+            return serve_engine.run(args)
         return run_replay(args)
     except (TraceError, ValueError, KeyError) as err:
         print(f"epp-sim: {err}", file=sys.stderr)

@@ -14,29 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from epp.demo.report import TurnResult
 from epp.demo.workload import Session, messages
-
-
-@dataclass(frozen=True, slots=True)
-class TurnResult:
-    session_id: str
-    kind: str
-    turn: int
-    status: int  # HTTP status; 0 when the request failed before a response (or was cancelled)
-    ttft_s: float | None
-    e2e_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None
 
 
 class _Stream:

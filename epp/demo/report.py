@@ -11,7 +11,22 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from epp.demo.client import TurnResult
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    session_id: str
+    kind: str
+    turn: int
+    status: int  # HTTP status; 0 when the request failed before a response (or was cancelled)
+    ttft_s: float | None
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
-from epp.demo.client import TurnResult, run_sessions
-from epp.demo.report import PolicyFigures, comparison, figures, table
+from epp.demo.client import run_sessions
+from epp.demo.report import PolicyFigures, TurnResult, comparison, figures, table
 from epp.demo.stack import (
     Child,
     EngineSpec,

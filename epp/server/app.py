@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -17,6 +18,8 @@ from epp.config import EppConfig, StaticEndpoint, build_scheduler
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
+from epp.discovery.settings import DiscoverySettings
+from epp.discovery.watcher import PoolWatcher
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
@@ -63,6 +66,7 @@ class ServerSettings:
     pool_name: str = "default"
     seed: int | None = None
     debug_endpoints: bool = True
+    discovery: DiscoverySettings | None = None  # the endpoint set from an InferencePool (no static endpoints)
 
 
 class EppServer:
@@ -142,6 +146,18 @@ class EppServer:
                 timeout=settings.metrics_timeout,
                 observer=self.metrics,
             )
+        self.discovery: PoolWatcher | None = None
+        if settings.discovery is not None:
+            if config.endpoints or endpoints:
+                raise ValueError(
+                    "static endpoints (--endpoints or the config's endpoints) and Kubernetes discovery "
+                    "(--pool-name) cannot be used together"
+                )
+            self.discovery = PoolWatcher(
+                self.datastore, settings.discovery, observer=self.metrics, on_change=self._follow_endpoints
+            )
+        self._sources_started = False
+        self._readiness: asyncio.Task[None] | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._ready = False
@@ -164,7 +180,22 @@ class EppServer:
         return {m for m in map(self._model_of, self.datastore.ids()) if m}
 
     def is_ready(self) -> bool:
-        return self._ready
+        return self._ready and (self.discovery is None or self.discovery.synced)
+
+    def _follow_endpoints(self) -> None:
+        """Discovery changed the endpoint set: scrape and subscribe (or stop) now, not at the next tick."""
+        if not self._sources_started:
+            return
+        if self.scraper is not None:
+            self.scraper.sync()
+        if self.subscriber is not None:
+            self.subscriber.sync()
+
+    async def _serve_when_synced(self) -> None:
+        assert self.discovery is not None
+        await self.discovery.wait_synced()
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         s = self.settings
@@ -175,7 +206,17 @@ class EppServer:
         return grpc.ssl_server_credentials([(key, crt)])
 
     async def start(self) -> None:
+        """Start everything; if any part fails (a port in use, bad credentials), stop what started."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+
+    async def _start(self) -> None:
         s = self.settings
+        if self.discovery is not None:
+            await self.discovery.start()  # bad credentials fail here, before anything listens
         creds = self._credentials()
         self._grpc = grpc.aio.server(options=_GRPC_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(
@@ -201,9 +242,14 @@ class EppServer:
             await self.scraper.start()
         if self.subscriber is not None:
             await self.subscriber.start()
+        self._sources_started = True
         self._ready = True
-        for name in HEALTH_SERVICES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.discovery is None:
+            for name in HEALTH_SERVICES:
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        else:  # alive now; ready once the pool and its pods have been listed
+            await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+            self._readiness = asyncio.create_task(self._serve_when_synced(), name="epp-readiness")
         log.info(
             "EPP serving ext_proc on %s:%d (%s), health on %d, metrics on %d, %d endpoints",
             s.host,
@@ -216,6 +262,10 @@ class EppServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         self._ready = False
+        if self._readiness is not None:
+            self._readiness.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.health.enter_graceful_shutdown()
         if self.scraper is not None:
             await self.scraper.stop()

@@ -234,6 +234,25 @@ class EppMetrics:
             ["endpoint", "kind"],
         )
 
+        # Kubernetes discovery (epp/discovery/watcher.py); nothing is recorded without it.
+        self.discovery_lists = counter(
+            "epp_discovery_lists_total", "Lists of the InferencePool and of its pods", ["resource"]
+        )
+        self.discovery_events = counter(
+            "epp_discovery_watch_events_total",
+            "Watch events received, by resource and type",
+            ["resource", "type"],
+        )
+        self.discovery_errors = counter(
+            "epp_discovery_errors_total", "Discovery errors by resource and kind", ["resource", "kind"]
+        )
+        self.discovery_endpoints = Gauge(
+            "epp_discovery_endpoints", "Endpoints the InferencePool's candidate pods give", registry=r
+        )
+        self.discovery_synced = Gauge(
+            "epp_discovery_synced", "1 once the InferencePool and its pods have been listed", registry=r
+        )
+
     def attach_pool(self, datastore: Datastore, clock: Clock, pool_name: str) -> None:
         self.registry.register(_PoolCollector(datastore, clock, pool_name))
 
@@ -245,3 +264,17 @@ class EppMetrics:
         self.scrapes(endpoint_id, "ok" if ok else "error").inc()
         if not ok:
             self.scrape_errors(endpoint_id, error_kind or "unknown").inc()
+
+    # DiscoveryObserver
+    def on_discovery_list(self, resource: str) -> None:
+        self.discovery_lists(resource).inc()
+
+    def on_discovery_event(self, resource: str, kind: str) -> None:
+        self.discovery_events(resource, kind).inc()
+
+    def on_discovery_error(self, resource: str, kind: str) -> None:
+        self.discovery_errors(resource, kind).inc()
+
+    def on_discovery_endpoints(self, count: int, synced: bool) -> None:
+        self.discovery_endpoints.set(count)
+        self.discovery_synced.set(1.0 if synced else 0.0)

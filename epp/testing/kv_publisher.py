@@ -116,6 +116,14 @@ class KvEventPublisher:
             await self.pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), data])
         return seq
 
+    async def publish_encoded(self, seq: int, payload: bytes, *, send: bool = True) -> None:
+        """Publish a batch encoded and numbered elsewhere (a simulated engine's `EventSink`); it is
+        buffered for replay like any other, and a later `publish` continues from `seq + 1`."""
+        self.seq = seq + 1
+        self.buffer.append((seq, payload))
+        if send:
+            await self.pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload])
+
     async def send_raw(self, frames: list[bytes]) -> None:
         await self.pub.send_multipart(frames)
 

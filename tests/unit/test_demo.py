@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from epp.demo.client import TurnResult, _Stream
-from epp.demo.report import comparison, figures, quantile, table
+from epp.demo.client import _Stream
+from epp.demo.report import TurnResult, comparison, figures, quantile, table
 from epp.demo.runner import DEFAULT_POLICY, add_arguments, options, policy_config
 from epp.demo.workload import WorkloadSpec, build_sessions, messages
 

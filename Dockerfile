@@ -1,0 +1,26 @@
+# The EPP image (`epp serve`). Build from the repository root:
+#   docker build -t epp:0.1.0 .
+# then push it to your registry and point deploy/overlays/*/kustomization.yaml `images:` at it
+# (for a kind cluster: docker build -t epp:dev . && kind load docker-image epp:dev).
+# Not built by `make test`; tests/unit/test_deploy.py checks this file against the manifests.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY epp ./epp
+COPY simulator ./simulator
+RUN pip install . && rm -rf /src
+
+# Non-root, matching the pod securityContext (runAsUser/runAsGroup 65532) in deploy/base.
+RUN groupadd --gid 65532 epp && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin epp
+USER 65532:65532
+WORKDIR /
+
+# ext_proc gRPC, gRPC health, admin HTTP (/metrics, /healthz, /readyz, /debug/*).
+EXPOSE 9002 9003 9090
+ENTRYPOINT ["epp", "serve"]

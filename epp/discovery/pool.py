@@ -1,0 +1,133 @@
+"""An `InferencePool` plus the Pods of its namespace -> the endpoint set (pure).
+
+Objects are the API server's JSON as plain mappings (`inference.networking.k8s.io/v1`
+`InferencePool`, core `v1` `Pod`). A pod is a candidate when it matches the pool's
+`spec.selector.matchLabels`, has the `Ready` condition `"True"`, has a `status.podIP` and no
+`metadata.deletionTimestamp`; each candidate gives one endpoint `<podIP>:<port>` per
+`spec.targetPorts[].number` (IPv6 as `[addr]:port`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from epp.config import parse_endpoint_address
+
+GROUP = "inference.networking.k8s.io"
+VERSION = "v1"
+PLURAL = "inferencepools"
+MAX_TARGET_PORTS = 8
+
+
+class PoolError(ValueError):
+    """The InferencePool object cannot be used; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    name: str
+    selector: tuple[tuple[str, str], ...]  # sorted (label, value) pairs, all of which must match
+    ports: tuple[int, ...]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self.selector)
+
+    def label_selector(self) -> str:
+        """The selector as the API's `labelSelector` query parameter."""
+        return ",".join(f"{k}={v}" for k, v in self.selector)
+
+
+def parse_pool(obj: Any) -> PoolSpec:
+    """Validate an InferencePool object; PoolError names the first bad field."""
+    if not isinstance(obj, Mapping):
+        raise PoolError(f"InferencePool: expected an object, got {type(obj).__name__}")
+    meta = obj.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    where = f"InferencePool {name!r}" if isinstance(name, str) and name else "InferencePool"
+    if not isinstance(name, str) or not name:
+        raise PoolError(f"{where}: metadata.name is missing")
+    spec = obj.get("spec")
+    if not isinstance(spec, Mapping):
+        raise PoolError(f"{where}: spec is missing")
+    selector = spec.get("selector")
+    match = selector.get("matchLabels") if isinstance(selector, Mapping) else None
+    if not isinstance(match, Mapping) or not match:
+        raise PoolError(f"{where}: spec.selector.matchLabels is missing or empty")
+    pairs: list[tuple[str, str]] = []
+    for key, value in match.items():
+        if not isinstance(key, str) or not key or not isinstance(value, str):
+            raise PoolError(f"{where}: spec.selector.matchLabels[{key!r}] must map a label to a string")
+        pairs.append((key, value))
+    ports_raw = spec.get("targetPorts")
+    if not isinstance(ports_raw, list) or not ports_raw:
+        raise PoolError(f"{where}: spec.targetPorts is missing or empty (1 to {MAX_TARGET_PORTS} ports)")
+    if len(ports_raw) > MAX_TARGET_PORTS:
+        raise PoolError(f"{where}: spec.targetPorts has {len(ports_raw)} ports, at most {MAX_TARGET_PORTS}")
+    ports: list[int] = []
+    for i, port in enumerate(ports_raw):
+        number = port.get("number") if isinstance(port, Mapping) else None
+        if isinstance(number, bool) or not isinstance(number, int) or not 0 < number < 65536:
+            raise PoolError(f"{where}: spec.targetPorts[{i}].number must be a port number 1-65535")
+        if number not in ports:
+            ports.append(number)
+    return PoolSpec(name, tuple(sorted(pairs)), tuple(ports))
+
+
+def object_name(obj: Any) -> str | None:
+    """`metadata.name` of an object, or None when it is not a usable object."""
+    if not isinstance(obj, Mapping):
+        return None
+    meta = obj.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    return name if isinstance(name, str) and name else None
+
+
+def exclusion(pod: Mapping[str, Any], pool: PoolSpec) -> str | None:
+    """Why the pod is not a candidate ("selector", "deleting", "not_ready", "no_ip", "bad_ip"), or None."""
+    meta = pod.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    labels = meta.get("labels")
+    labels = labels if isinstance(labels, Mapping) else {}
+    if any(labels.get(k) != v for k, v in pool.selector):
+        return "selector"
+    if meta.get("deletionTimestamp") is not None:
+        return "deleting"
+    status = pod.get("status")
+    status = status if isinstance(status, Mapping) else {}
+    if not _ready(status.get("conditions")):
+        return "not_ready"
+    ip = status.get("podIP")
+    if not isinstance(ip, str) or not ip:
+        return "no_ip"
+    try:
+        parse_endpoint_address(f"{ip}:1")
+    except ValueError:
+        return "bad_ip"
+    return None
+
+
+def _ready(conditions: Any) -> bool:
+    if not isinstance(conditions, list):
+        return False
+    return any(
+        isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
+    )
+
+
+def pod_endpoints(pod: Mapping[str, Any], pool: PoolSpec) -> list[str]:
+    """The pod's endpoints (one per target port), or [] when it is not a candidate."""
+    if exclusion(pod, pool) is not None:
+        return []
+    ip = pod["status"]["podIP"]
+    return [parse_endpoint_address(f"{ip}:{port}") for port in pool.ports]
+
+
+def pool_endpoints(pool: PoolSpec, pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Every candidate pod's endpoints, sorted and without duplicates."""
+    out: set[str] = set()
+    for pod in pods:
+        out.update(pod_endpoints(pod, pool))
+    return sorted(out)

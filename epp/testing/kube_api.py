@@ -1,0 +1,516 @@
+"""A fake Kubernetes API server for tests: the real list/watch JSON for Pods and InferencePools.
+
+Serves `/api/v1/namespaces/{ns}/pods[/{name}]` and
+`/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]` over plain HTTP on
+loopback, as the API server does:
+- a list answers `{"kind": "PodList", "metadata": {"resourceVersion": "N"}, "items": [...]}`, filtered
+  by `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`) and `fieldSelector` (`metadata.name`,
+  `metadata.namespace`);
+- `watch=true&resourceVersion=N` streams newline-delimited `{"type": ..., "object": ...}`: the changes
+  after N, then live ones; an object that stops (starts) matching the selector arrives as DELETED
+  (ADDED); `allowWatchBookmarks=true` lets `bookmark()` send BOOKMARKs; `timeoutSeconds` ends the
+  stream; no (or "0") resourceVersion starts with ADDED events for what exists;
+- after `compact()`, a watch from an older resourceVersion gets 410 Gone, as an `ERROR` event with a
+  `Status` (`gone_as="event"`, what current API servers send) or as the HTTP status (`"status"`);
+- a missing object is 404; `crd_installed=False` makes the whole inferencepools resource 404;
+  `fail_next(status)` answers the next requests with an error.
+
+Tests change the world with `add_pod`/`update_pod`/`delete_pod` and `add_pool`/`put_pool`/
+`update_pool`/`delete_pool`; each bumps the resourceVersion and notifies the watchers.
+`write_kubeconfig()` writes a kubeconfig that points kubernetes-asyncio here (no TLS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import json
+import pathlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_VERSION = "v1"
+PODS, POOLS = "pods", "inferencepools"
+_KINDS = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", f"{POOL_GROUP}/{POOL_VERSION}")}
+
+Obj = dict[str, Any]
+Matcher = Callable[[Mapping[str, Any]], bool]
+
+
+def status_object(code: int, reason: str, message: str) -> Obj:
+    """A `metav1.Status` as the API server sends it with an error."""
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
+def _reason(code: int) -> str:
+    return {
+        400: "BadRequest",
+        401: "Unauthorized",
+        403: "Forbidden",
+        404: "NotFound",
+        410: "Expired",
+        500: "InternalError",
+        503: "ServiceUnavailable",
+    }.get(code, "Unknown")
+
+
+def parse_label_selector(text: str) -> Matcher:
+    """`k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-separated (all must hold). ValueError on other forms."""
+    reqs: list[tuple[str, str, str]] = []  # (op, key, value)
+    for raw in filter(None, (p.strip() for p in text.split(","))):
+        if "!=" in raw:
+            k, v = raw.split("!=", 1)
+            reqs.append(("!=", k.strip(), v.strip()))
+        elif "=" in raw:
+            k, v = raw.replace("==", "=").split("=", 1)
+            reqs.append(("=", k.strip(), v.strip()))
+        elif " " in raw or "(" in raw:
+            raise ValueError(f"unsupported label selector {raw!r}")
+        elif raw.startswith("!"):
+            reqs.append(("!", raw[1:].strip(), ""))
+        else:
+            reqs.append(("exists", raw, ""))
+
+    def match(labels: Mapping[str, Any]) -> bool:
+        for op, k, v in reqs:
+            ok = {
+                "=": labels.get(k) == v,
+                "!=": labels.get(k) != v,
+                "!": k not in labels,
+                "exists": k in labels,
+            }[op]
+            if not ok:
+                return False
+        return True
+
+    return match
+
+
+def parse_field_selector(text: str) -> Matcher:
+    """`metadata.name=x`, `metadata.namespace=x` (comma-separated); matched against `metadata`."""
+    reqs: list[tuple[str, str]] = []
+    for raw in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = raw.replace("==", "=").partition("=")
+        if not sep or key not in ("metadata.name", "metadata.namespace"):
+            raise ValueError(f"field label not supported: {key}")
+        reqs.append((key.split(".", 1)[1], value))
+
+    def match(meta: Mapping[str, Any]) -> bool:
+        return all(meta.get(f) == v for f, v in reqs)
+
+    return match
+
+
+@dataclass
+class _Change:
+    rv: int
+    resource: str
+    namespace: str
+    old: Obj | None
+    new: Obj | None  # None: deleted (then `old` carries the final state)
+
+
+@dataclass(eq=False)
+class _Watch:
+    resource: str
+    namespace: str
+    labels: Matcher
+    fields: Matcher
+    bookmarks: bool
+    queue: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+
+    def matches(self, obj: Obj | None) -> bool:
+        if obj is None:
+            return False
+        meta = obj.get("metadata") or {}
+        return bool(self.labels(meta.get("labels") or {})) and bool(self.fields(meta))
+
+    def offer(self, change: _Change) -> None:
+        if change.resource != self.resource or change.namespace != self.namespace:
+            return
+        was, now = self.matches(change.old), self.matches(change.new)
+        if change.new is None:
+            if was:
+                self.send("DELETED", change.old)
+        elif was and now:
+            self.send("MODIFIED", change.new)
+        elif now:
+            self.send("ADDED", change.new)
+        elif was:
+            self.send("DELETED", change.new)  # no longer selected
+
+    def send(self, kind: str, obj: Obj | None) -> None:
+        self.queue.put_nowait(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+
+
+class FakeKubeApi:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, gone_as: str = "event") -> None:
+        if gone_as not in ("event", "status"):
+            raise ValueError("gone_as is 'event' or 'status'")
+        self.host = host
+        self.port = port
+        self.gone_as = gone_as
+        self.crd_installed = True
+        self.rv = 100
+        self.compacted = 0  # a watch from a resourceVersion below this gets 410
+        self.objects: dict[str, dict[tuple[str, str], Obj]] = {PODS: {}, POOLS: {}}
+        self.history: list[_Change] = []
+        self.requests: list[tuple[str, dict[str, str]]] = []  # (path, query) of every request
+        self._failures: list[int] = []
+        self._watches: set[_Watch] = set()
+        self._uids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> FakeKubeApi:
+        """Serve (again, on the same port after `stop()`)."""
+        app = web.Application()
+        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._collection(PODS))
+        app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", self._single(PODS))
+        base = f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{{ns}}/inferencepools"
+        app.router.add_get(base, self._collection(POOLS))
+        app.router.add_get(base + "/{name}", self._single(POOLS))
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self.port = int(runner.addresses[0][1])
+        self._runner = runner
+        return self
+
+    async def stop(self) -> None:
+        """Stop serving (connections refused) and end every open watch."""
+        self.end_watches()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> FakeKubeApi:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def write_kubeconfig(self, path: str | pathlib.Path, namespace: str = "default") -> str:
+        text = f"""apiVersion: v1
+kind: Config
+clusters:
+- name: fake
+  cluster:
+    server: {self.url}
+users:
+- name: fake
+  user:
+    token: fake-token
+contexts:
+- name: fake
+  context:
+    cluster: fake
+    user: fake
+    namespace: {namespace}
+current-context: fake
+"""
+        pathlib.Path(path).write_text(text)
+        return str(path)
+
+    # -- knobs -------------------------------------------------------------------------------
+    def compact(self) -> int:
+        """Forget history up to now: a watch from an older resourceVersion gets 410 Gone."""
+        self.compacted = self.rv
+        self.history.clear()
+        return self.rv
+
+    def bookmark(self) -> int:
+        """A BOOKMARK with the current resourceVersion to every watch that asked for bookmarks."""
+        for w in self._watches:
+            if w.bookmarks:
+                kind, api_version = _KINDS[w.resource]
+                w.send(
+                    "BOOKMARK",
+                    {"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": str(self.rv)}},
+                )
+        return self.rv
+
+    def end_watches(self) -> None:
+        """End every open watch stream cleanly, as the server does at its timeout."""
+        for w in self._watches:
+            w.queue.put_nowait(None)
+
+    def fail_next(self, status: int, count: int = 1) -> None:
+        """Answer the next `count` requests with `status` and a Status body."""
+        self._failures.extend([status] * count)
+
+    @property
+    def open_watches(self) -> int:
+        return len(self._watches)
+
+    def watch_requests(self, resource: str) -> list[dict[str, str]]:
+        """Queries of the watch requests made for pods or inferencepools, in order."""
+        return [q for p, q in self.requests if p.endswith("/" + resource) and _true(q.get("watch"))]
+
+    # -- pods --------------------------------------------------------------------------------
+    def add_pod(
+        self,
+        name: str,
+        ip: str | None,
+        labels: Mapping[str, str],
+        *,
+        ready: bool = True,
+        namespace: str = "default",
+    ) -> Obj:
+        status: Obj = {
+            "phase": "Running" if ip else "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "True" if ready else "False"},
+            ],
+        }
+        if ip:
+            status["podIP"] = ip
+            status["podIPs"] = [{"ip": ip}]
+        obj: Obj = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": f"pod-uid-{next(self._uids)}",
+                "labels": dict(labels),
+                "creationTimestamp": "2025-01-01T00:00:00Z",
+            },
+            "spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai"}]},
+            "status": status,
+        }
+        return self.put(PODS, obj)
+
+    def update_pod(
+        self,
+        name: str,
+        *,
+        namespace: str = "default",
+        ready: bool | None = None,
+        ip: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        deleting: bool | None = None,
+    ) -> Obj:
+        obj = self.get(PODS, namespace, name)
+        if ready is not None:
+            for c in obj["status"]["conditions"]:
+                if c["type"] == "Ready":
+                    c["status"] = "True" if ready else "False"
+        if ip is not None:
+            obj["status"]["podIP"] = ip
+            obj["status"]["podIPs"] = [{"ip": ip}]
+        if labels is not None:
+            obj["metadata"]["labels"] = dict(labels)
+        if deleting is not None:
+            if deleting:
+                obj["metadata"]["deletionTimestamp"] = "2025-01-01T00:10:00Z"
+            else:
+                obj["metadata"].pop("deletionTimestamp", None)
+        return self.put(PODS, obj)
+
+    def delete_pod(self, name: str, namespace: str = "default") -> None:
+        self.delete(PODS, namespace, name)
+
+    # -- pools -------------------------------------------------------------------------------
+    def add_pool(
+        self, name: str, selector: Mapping[str, str], ports: list[int], *, namespace: str = "default"
+    ) -> Obj:
+        obj: Obj = {
+            "apiVersion": f"{POOL_GROUP}/{POOL_VERSION}",
+            "kind": "InferencePool",
+            "metadata": {"name": name, "namespace": namespace, "uid": f"pool-uid-{next(self._uids)}"},
+            "spec": {
+                "selector": {"matchLabels": dict(selector)},
+                "targetPorts": [{"number": p} for p in ports],
+                "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": 9002}},
+            },
+        }
+        return self.put(POOLS, obj)
+
+    def update_pool(
+        self,
+        name: str,
+        *,
+        namespace: str = "default",
+        selector: Mapping[str, str] | None = None,
+        ports: list[int] | None = None,
+    ) -> Obj:
+        obj = self.get(POOLS, namespace, name)
+        if selector is not None:
+            obj["spec"]["selector"] = {"matchLabels": dict(selector)}
+        if ports is not None:
+            obj["spec"]["targetPorts"] = [{"number": p} for p in ports]
+        return self.put(POOLS, obj)
+
+    def put_pool(self, obj: Obj) -> Obj:
+        """Store a pool object as given (e.g. a malformed one the CRD schema would have refused)."""
+        return self.put(POOLS, obj)
+
+    def delete_pool(self, name: str, namespace: str = "default") -> None:
+        self.delete(POOLS, namespace, name)
+
+    # -- the store ---------------------------------------------------------------------------
+    def get(self, resource: str, namespace: str, name: str) -> Obj:
+        """A copy of the stored object (KeyError if there is none)."""
+        return copy.deepcopy(self.objects[resource][(namespace, name)])
+
+    def put(self, resource: str, obj: Obj) -> Obj:
+        """Create or replace an object; bumps the resourceVersion and notifies the watchers."""
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        key = (meta.get("namespace", "default"), meta["name"])
+        meta["namespace"] = key[0]
+        self.rv += 1
+        meta["resourceVersion"] = str(self.rv)
+        old = self.objects[resource].get(key)
+        self.objects[resource][key] = obj
+        self._record(_Change(self.rv, resource, key[0], old, copy.deepcopy(obj)))
+        return copy.deepcopy(obj)
+
+    def delete(self, resource: str, namespace: str, name: str) -> None:
+        old = self.objects[resource].pop((namespace, name))
+        self.rv += 1
+        old["metadata"]["resourceVersion"] = str(self.rv)
+        self._record(_Change(self.rv, resource, namespace, old, None))
+
+    def _record(self, change: _Change) -> None:
+        self.history.append(change)
+        for w in self._watches:
+            w.offer(change)
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def _collection(self, resource: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._serve_collection(resource, request)
+
+        return handler
+
+    def _single(self, resource: str) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            early = self._early_answer(resource, request)
+            if early is not None:
+                return early
+            ns, name = request.match_info["ns"], request.match_info["name"]
+            obj = self.objects[resource].get((ns, name))
+            if obj is None:
+                return _error(404, f'{resource} "{name}" not found')
+            return web.json_response(obj)
+
+        return handler
+
+    def _early_answer(self, resource: str, request: web.Request) -> web.Response | None:
+        self.requests.append((request.path, dict(request.query)))
+        if self._failures:
+            return _error(self._failures.pop(0), "injected failure")
+        if resource == POOLS and not self.crd_installed:
+            return _error(404, "the server could not find the requested resource")
+        return None
+
+    async def _serve_collection(self, resource: str, request: web.Request) -> web.StreamResponse:
+        early = self._early_answer(resource, request)
+        if early is not None:
+            return early
+        q = request.query
+        try:
+            labels = parse_label_selector(q.get("labelSelector", ""))
+            fields = parse_field_selector(q.get("fieldSelector", ""))
+        except ValueError as err:
+            return _error(400, str(err))
+        watch = _Watch(
+            resource, request.match_info["ns"], labels, fields, _true(q.get("allowWatchBookmarks"))
+        )
+        if not _true(q.get("watch")):
+            kind, api_version = _KINDS[resource]
+            items = [
+                o
+                for (ns, _), o in sorted(self.objects[resource].items())
+                if ns == watch.namespace and watch.matches(o)
+            ]
+            return web.json_response(
+                {
+                    "kind": f"{kind}List",
+                    "apiVersion": api_version,
+                    "metadata": {"resourceVersion": str(self.rv)},
+                    "items": items,
+                }
+            )
+        rv_text = q.get("resourceVersion", "")
+        try:
+            since = int(rv_text) if rv_text else 0
+        except ValueError:
+            return _error(400, f"invalid resourceVersion {rv_text!r}")
+        gone = since and since < self.compacted
+        if gone and self.gone_as == "status":
+            return _error(410, f"too old resource version: {since} ({self.compacted})")
+        timeout = float(q.get("timeoutSeconds", "1800"))
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        if gone:
+            msg = f"too old resource version: {since} ({self.compacted})"
+            await resp.write(
+                json.dumps({"type": "ERROR", "object": status_object(410, "Expired", msg)}).encode()
+            )
+            await resp.write(b"\n")
+            return resp
+        if since == 0:
+            for (ns, _), o in sorted(self.objects[resource].items()):
+                if ns == watch.namespace and watch.matches(o):
+                    watch.send("ADDED", o)
+        else:
+            for change in self.history:
+                if change.rv > since:
+                    watch.offer(change)
+        self._watches.add(watch)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    line = await asyncio.wait_for(watch.queue.get(), remaining)
+                except TimeoutError:
+                    break
+                if line is None:
+                    break
+                await resp.write(line)
+        except ConnectionResetError:
+            pass
+        finally:
+            self._watches.discard(watch)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp
+
+
+def _true(value: str | None) -> bool:
+    return value in ("true", "1", "True")
+
+
+def _error(code: int, message: str) -> web.Response:
+    return web.json_response(status_object(code, _reason(code), message), status=code)
