@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit bench clean test-vllm demo
+.PHONY: venv test lint typecheck unit bench clean test-vllm demo fuzz soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check epp simulator tests benchmarks
+	$(BIN)/ruff check epp simulator tests benchmarks fuzz
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict epp simulator
@@ -36,12 +36,27 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ttft_schedule.py
 	$(BIN)/python benchmarks/sim_speed.py
 	$(BIN)/python benchmarks/engine_replay.py
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/demo_time.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/overhead.py
 
 # Simulated vLLM pods + the EPP + a real Envoy on this machine: the default profile against
 # round-robin on the same traffic (under five minutes). More: make demo DEMO_ARGS="--pods 8 --workload multi-turn"
 demo: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/epp demo $(DEMO_ARGS)
+
+# Not part of `bench` (30 minutes): real Envoy + the EPP + simulated pods at 200 req/s with engine
+# restarts and publisher dropouts; errors, added latency and RSS over time. SOAK_ARGS="--duration 2m"
+soak: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
+
+# Opt-in, not part of `test`: coverage-guided fuzzing (atheris) of the hostile-input entry points,
+# FUZZ_SECONDS per target. The corpus grows in build/fuzz/; findings land in build/fuzz/findings/.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(BIN)/python -m pip install -q atheris
+	for t in request_body kv_frames metrics_text config; do \
+		$(BIN)/python fuzz/run.py $$t $(FUZZ_SECONDS) || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

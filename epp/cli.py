@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body accepted; larger gets 413 (default 32MiB)",
     )
     s.add_argument(
+        "--shutdown-grace",
+        type=_duration,
+        default=1.0,
+        help="on SIGTERM, how long open ext_proc streams (responses still streaming) may finish "
+        "before they are cut (default 1s; match it to the pod's termination grace period)",
+    )
+    s.add_argument(
         "--pool-name",
         help="InferencePool whose pods are the endpoints (Kubernetes discovery; instead of --endpoints); "
         "also the name label of the pool metrics (default: default)",
@@ -273,7 +280,7 @@ async def _serve(
     try:
         await stop.wait()
     finally:
-        await server.stop()
+        await server.stop(grace=args.shutdown_grace)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -165,17 +165,22 @@ schedulingProfiles:
 """
 """The reference EPP's load-aware scorers (the default before the TTFT picker)."""
 
-_MSGSPEC_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$")
+_MSGSPEC_AT = re.compile(r"^(.*?)(?: - at (`key` in )?`\$(.*)`)?$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
 def _split_msgspec(err: msgspec.ValidationError) -> tuple[str, str]:
-    """(where, field) from msgspec's 'message - at `$.a[0].b`'."""
+    """(where, field) from msgspec's 'message - at `$.a[0].b`' (or '- at `key` in `$.a`': a mapping key)."""
     text = str(err)
     m = _MSGSPEC_AT.match(text)
-    path = (m.group(2) or "") if m else ""
+    path = (m.group(3) or "") if m else ""
     unknown = _UNKNOWN.search(text)
-    field = unknown.group(1) if unknown else path.rsplit(".", 1)[-1] if path else ""
+    if unknown:
+        field = unknown.group(1)
+    elif m and m.group(2):
+        field = "(a key)"
+    else:
+        field = path.rsplit(".", 1)[-1] if path else ""
     return path.lstrip("."), field
 
 
@@ -199,6 +204,8 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(source, "", "", f"not valid YAML: {err}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(source, "", "", "not valid YAML: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ConfigError(source, "", "", "the config must be a YAML mapping")
     try:
@@ -206,6 +213,8 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     except msgspec.ValidationError as err:
         where, field = _split_msgspec(err)
         raise ConfigError(source, where, field, str(err).split(" - at ")[0]) from None
+    except RecursionError:
+        raise ConfigError(source, "", "", "the config is nested too deeply") from None
     if doc.api_version not in API_VERSIONS:
         raise ConfigError(source, "", "apiVersion", f"unsupported apiVersion {doc.api_version!r}")
     if doc.kind != KIND:
@@ -234,8 +243,8 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     saturation = SaturationDetector(sat.queue_depth_threshold, sat.kv_cache_util_threshold, staleness)
     kv = kv_events_config(source, doc.kv_events or KvEventsEntry())
     idx = doc.index or IndexEntry()
-    if idx.block_size < 1:
-        raise ConfigError(source, "index", "blockSize", "must be >= 1")
+    if not 1 <= idx.block_size <= 256:
+        raise ConfigError(source, "index", "blockSize", f"must be in 1..256, got {idx.block_size}")
     if idx.max_entries < 1:
         raise ConfigError(source, "index", "maxEntries", "must be >= 1")
     for model, path in doc.tokenizers.items():

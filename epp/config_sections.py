@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import msgspec
 
 from epp.durations import parse_duration
+from epp.kvindex.ingest import MAX_DP_RANKS
 from epp.scheduling.admission import Admission
 from epp.tenancy import TenancyConfig
 
@@ -31,7 +32,7 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
 
 
 class KvEventsEntry(_Struct):
-    mode: str = "off"
+    mode: str | bool = "off"  # YAML reads a bare `off` as false
     port: int = 5557
     bind: str = "tcp://*:5557"
     replay_port: int | None = None
@@ -90,12 +91,18 @@ class KvEventsConfig:
             return "port", f"must be in 1..65535, got {self.port}"
         if self.replay_port is not None and not 0 < self.replay_port < 65536:
             return "replayPort", f"must be in 1..65535, got {self.replay_port}"
-        if self.dp_ranks < 1:
-            return "dpRanks", "must be >= 1"
+        if not 1 <= self.dp_ranks <= MAX_DP_RANKS:
+            return "dpRanks", f"must be in 1..{MAX_DP_RANKS}, got {self.dp_ranks}"
+        # rank r listens on port + r (and replays on replayPort + r)
+        if self.port + self.dp_ranks - 1 > 65535:
+            return "dpRanks", f"port + dpRanks - 1 must be <= 65535, got {self.port + self.dp_ranks - 1}"
+        if self.replay_port is not None and self.replay_port + self.dp_ranks - 1 > 65535:
+            top = self.replay_port + self.dp_ranks - 1
+            return "dpRanks", f"replayPort + dpRanks - 1 must be <= 65535, got {top}"
         if self.replay_retries < 0:
             return "replayRetries", "must be >= 0"
-        if self.rcvhwm < 1:
-            return "receiveHighWaterMark", "must be >= 1"
+        if not 1 <= self.rcvhwm <= 2**31 - 1:  # a ZeroMQ int option
+            return "receiveHighWaterMark", f"must be in 1..2147483647, got {self.rcvhwm}"
         if self.mode == "central" and not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             return "bind", f"must be a ZeroMQ endpoint such as tcp://*:5557, got {self.bind!r}"
         return None
@@ -150,6 +157,11 @@ def kv_events_config(source: str, e: KvEventsEntry) -> KvEventsConfig:
         timeout = parse_duration(e.replay_timeout)
     except ValueError as err:
         raise ConfigError(source, "kvEvents", "replayTimeout", str(err)) from None
+    if isinstance(e.mode, bool):
+        if e.mode:
+            modes = ", ".join(KV_EVENT_MODES)
+            raise ConfigError(source, "kvEvents", "mode", f"must be one of {modes}, got true")
+        e.mode = "off"
     kv = KvEventsConfig(
         e.mode,
         e.port,

@@ -6,7 +6,8 @@ import math
 import re
 
 _UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|ms|s|m|h)?\s*$")
+# One way to match each number (no nested quantifiers over the same digits): linear on any input.
+_RE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]+)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*(?:(us|µs|ms|s|m|h)\s*)?$")
 
 
 def parse_duration(value: str | float | int) -> float:

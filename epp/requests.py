@@ -28,6 +28,7 @@ _PATH_KINDS = (
     ("/responses", ApiKind.RESPONSES),
 )
 _CHARS_PER_TOKEN = 4
+_MAX_TOKEN_ID = 2**31 - 1  # engines' token ids are int32 (and so are the tokenizer's)
 _decoder = msgspec.json.Decoder()
 
 
@@ -55,29 +56,35 @@ def _text_tokens(text: str) -> int:
     return (len(text) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
 
 
-def _check_prompt(prompt: Any) -> tuple[str | list[int], int]:
-    """Validate a completions `prompt`; returns (prompt, estimated prompt tokens)."""
+def _is_token(t: Any) -> bool:
+    return type(t) is int and 0 <= t <= _MAX_TOKEN_ID
+
+
+def _check_prompt(prompt: Any, name: str = "prompt") -> tuple[str | list[int], int]:
+    """Validate a completions `prompt` (or `input`); returns (prompt, estimated prompt tokens)."""
     if isinstance(prompt, str):
         return prompt, _text_tokens(prompt)
     if isinstance(prompt, list) and prompt:
-        if all(type(t) is int for t in prompt):
+        if all(map(_is_token, prompt)):
             return prompt, len(prompt)
         if all(isinstance(p, str) for p in prompt):
             joined = "".join(prompt)
             return joined, _text_tokens(joined)
-        if all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+        if all(isinstance(p, list) and all(map(_is_token, p)) for p in prompt):
             flat = [t for p in prompt for t in p]
             return flat, len(flat)
-    raise bad_request("'prompt' must be a string, a list of strings, or a list of token ids")
+    raise bad_request(
+        f"'{name}' must be a string, a list of strings, or a list of token ids (ints in 0..2147483647)"
+    )
 
 
-def _check_messages(messages: Any) -> tuple[list[dict[str, Any]], int]:
+def _check_messages(messages: Any, name: str = "messages") -> tuple[list[dict[str, Any]], int]:
     if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list")
+        raise bad_request(f"'{name}' must be a non-empty list")
     chars = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"'messages[{i}]' must be an object with a string 'role'")
+            raise bad_request(f"'{name}[{i}]' must be an object with a string 'role'")
         content = m.get("content")
         if isinstance(content, str):
             chars += len(content)
@@ -86,7 +93,7 @@ def _check_messages(messages: Any) -> tuple[list[dict[str, Any]], int]:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     chars += len(part["text"])
         elif content is not None:
-            raise bad_request(f"'messages[{i}].content' must be a string, a list of parts, or null")
+            raise bad_request(f"'{name}[{i}].content' must be a string, a list of parts, or null")
     return messages, (chars + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
 
 
@@ -97,6 +104,8 @@ def parse_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
         doc = _decoder.decode(body)
     except msgspec.DecodeError as err:
         raise bad_request(f"request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(doc, dict):
         raise bad_request("request body must be a JSON object")
     return doc
@@ -130,9 +139,9 @@ def build_request(
     elif kind in (ApiKind.EMBEDDINGS, ApiKind.RESPONSES) and "input" in body:
         inp = body["input"]
         if isinstance(inp, list) and inp and all(isinstance(m, dict) for m in inp):
-            messages, tokens = _check_messages(inp)
+            messages, tokens = _check_messages(inp, "input")
         else:
-            prompt, tokens = _check_prompt(inp)
+            prompt, tokens = _check_prompt(inp, "input")
     else:
         raise bad_request("request needs 'prompt' or 'messages'")
     stream = body.get("stream", False)
@@ -141,9 +150,10 @@ def build_request(
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise bad_request("'cache_salt' must be a non-empty string")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = body.get(limit)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
-        raise bad_request("'max_tokens' must be a non-negative integer")
+        raise bad_request(f"'{limit}' must be a non-negative integer")
     return InferenceRequest(
         request_id=request_id,
         api_kind=kind,

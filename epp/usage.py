@@ -78,7 +78,7 @@ class UsageReader:
         payload = line[5:].strip()
         try:
             found = usage_from(_decoder.decode(payload))
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deeply
             return
         if found is not None:
             self.usage = found
@@ -90,7 +90,7 @@ class UsageReader:
         elif self._buf and not self._overflow:
             try:
                 self.usage = usage_from(_decoder.decode(self._buf))
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 self.usage = None
         self._buf.clear()
         return self.usage

@@ -40,6 +40,7 @@ class EngineSpec:
     block_size: int = 16
     max_num_seqs: int = 64
     latency_profile: str | None = None
+    time_scale: float = 1.0  # wall seconds per engine second (`--time-scale`)
 
 
 class Child:
@@ -125,6 +126,35 @@ class Stack:
         return counts
 
 
+def engine_argv(spec: EngineSpec, port: int, kv_bind: str | None) -> list[str]:
+    """`epp-sim serve-engine` on 127.0.0.1:`port`, publishing KV events to `kv_bind` (None: no events)."""
+    address = f"127.0.0.1:{port}"
+    argv = [
+        sys.executable, "-m", "simulator.cli", "serve-engine",
+        "--host", "127.0.0.1", "--port", str(port), "--model", spec.model,
+        "--tokenizer", str(spec.tokenizer), "--num-gpu-blocks", str(spec.num_gpu_blocks),
+        "--block-size", str(spec.block_size), "--max-num-seqs", str(spec.max_num_seqs),
+    ]  # fmt: skip
+    if kv_bind is not None:
+        argv += ["--kv-events-endpoint", kv_bind, "--kv-events-topic", f"kv@{address}@{spec.model}"]
+    if spec.latency_profile:
+        argv += ["--latency-profile", spec.latency_profile]
+    if spec.time_scale != 1.0:
+        argv += ["--time-scale", str(spec.time_scale)]
+    return argv
+
+
+async def start_engine(spec: EngineSpec, name: str, port: int, kv_bind: str | None, logs: Path) -> Child:
+    """One simulated pod (e.g. restarted on the port it had), ready when this returns."""
+    child = await _spawn(name, engine_argv(spec, port, kv_bind), logs)
+    try:
+        await _wait_http(child, f"http://127.0.0.1:{port}/health")
+    except BaseException:
+        await child.stop()
+        raise
+    return child
+
+
 async def start_engines(
     spec: EngineSpec, count: int, kv_bind: str, logs: Path
 ) -> tuple[list[Child], list[str]]:
@@ -134,18 +164,8 @@ async def start_engines(
     try:
         for i in range(count):
             port = free_port()
-            address = f"127.0.0.1:{port}"
-            argv = [
-                sys.executable, "-m", "simulator.cli", "serve-engine",
-                "--host", "127.0.0.1", "--port", str(port), "--model", spec.model,
-                "--tokenizer", str(spec.tokenizer), "--num-gpu-blocks", str(spec.num_gpu_blocks),
-                "--block-size", str(spec.block_size), "--max-num-seqs", str(spec.max_num_seqs),
-                "--kv-events-endpoint", kv_bind, "--kv-events-topic", f"kv@{address}@{spec.model}",
-            ]  # fmt: skip
-            if spec.latency_profile:
-                argv += ["--latency-profile", spec.latency_profile]
-            children.append(await _spawn(f"pod-{i}", argv, logs))
-            addresses.append(address)
+            children.append(await _spawn(f"pod-{i}", engine_argv(spec, port, kv_bind), logs))
+            addresses.append(f"127.0.0.1:{port}")
         for child, address in zip(children, addresses, strict=True):
             await _wait_http(child, f"http://{address}/health")
     except BaseException:

@@ -257,10 +257,10 @@ class ChatTemplate:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
         try:
             chat = [_normalise(m if isinstance(m, Mapping) else {}, self.content_format) for m in messages]
+            if not self.knows_developer_role and any(m["role"] == "developer" for m in chat):
+                chat = _developer_as_system(chat)
         except (TypeError, AttributeError) as e:  # e.g. a text part whose text is not a string
             raise ChatTemplateError(f"malformed messages: {e}") from e
-        if not self.knows_developer_role and any(m["role"] == "developer" for m in chat):
-            chat = _developer_as_system(chat)
         final_text: str | None = None
         if continue_final_message:
             final_text = self._tag_final_message(chat)

@@ -4,15 +4,17 @@ The subscriber reports what happens to each pod's event stream; `state(pod, now)
 into a verdict with a reason. Stale pods get no cache credit from the prefix scorer;
 degraded ones still do (the index under-reports at worst).
 
-- stale: `publisher_unreachable` (per-pod socket disconnected), `unrecovered_gap` (events
-  lost and not replayed, so the index may hold blocks the engine has evicted; the pod's
-  entries are cleared and it stays stale until `recovery` seconds of in-order events),
+- stale: `publisher_unreachable` (per-pod socket disconnected, or heartbeats unanswered),
+  `unrecovered_gap` (events lost and not replayed, so the index may hold blocks the engine has
+  evicted; the pod's entries are cleared and it stays stale until `recovery` seconds of in-order
+  events),
   `restart_without_replay` (the engine restarted and its first events were missed), `silent`
   (no events for `silence` seconds while the engine's prefix-cache misses keep rising).
-- degraded: `replaying` (a gap is being replayed), `joined_late` (first seen mid-stream
-  without replay: the index under-reports until `recovery` has passed), `orphans`,
-  `malformed` or `dropped` (within the last `hold` seconds), `lagging` (events older than
-  `lag_degraded` seconds when received), `no_events` (connected, nothing received yet).
+- degraded: `replaying` (a gap is being replayed), `joined_late` (first seen mid-stream, or
+  reachable again after a lost connection, without replay: the index under-reports until
+  `recovery` has passed), `orphans`, `malformed`, `dropped` or `unknown_model` (within the last
+  `hold` seconds), `lagging` (events older than `lag_degraded` seconds when received),
+  `no_events` (connected, nothing received yet).
 """
 
 from __future__ import annotations
@@ -141,6 +143,10 @@ class FreshnessTracker:
     def engine_misses(self, pod: str, misses: float) -> None:
         """The engine's prefix-cache misses in tokens (queries - hits), from its metrics."""
         p = self._pod(pod)
+        if p.misses is not None and misses < p.misses and p.misses_at_message is not None:
+            # The counter went back: a new engine process, counting from 0 since it started. Misses
+            # since the last message are then at most `misses`, so the baseline becomes 0.
+            p.misses_at_message = 0.0
         p.misses = misses
         if p.misses_at_message is None:
             p.misses_at_message = misses  # baseline until the first event arrives

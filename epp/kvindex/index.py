@@ -67,6 +67,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from epp.kvindex.events import KNOWN_TIERS
 from epp.kvindex.holdings import (
     MAX_KEYS_PER_RECORD,
     MAX_PODS,
@@ -382,7 +383,10 @@ class BlockIndex(IndexReads, IndexRemovals):
         return pid
 
     def _new_tier(self, tier: str) -> int:
-        if len(self._tier_names) >= MAX_TIERS:
+        free = MAX_TIERS - len(self._tier_names)
+        # The known tiers always find a slot: names an engine made up cannot use theirs up.
+        reserved = 0 if tier in KNOWN_TIERS else len(KNOWN_TIERS - self._tier_ids.keys())
+        if free <= reserved:
             return -1
         tid = self._h.add_tier()
         self._tier_ids[tier] = tid

@@ -3,8 +3,11 @@
 A publisher is one engine process and data-parallel rank (`(pod, rank)`). The edge hands
 every live message to `on_live`, which decodes it, checks its sequence number and applies
 it, or asks the edge to replay first (`NeedReplay`) and holds the live message until
-`replay_finished`. Replayed messages go through `on_replayed`. Nothing here blocks or
-performs I/O, so the simulator drives the same code with modelled delays.
+`replay_finished`. Replayed messages go through `on_replayed`. The edge also reports a
+publisher's connection dropping (`on_disconnected`) and coming back (`on_connected`): whoever
+answers again may be a new engine process, so the pod's blocks are forgotten then and the stream
+is taken up as a new one. Nothing here blocks or performs I/O, so the simulator drives the same
+code with modelled delays.
 
 A message's events are applied in order: each run of BlockStored in one `BlockIndex.store_many`
 call, each BlockRemoved with `BlockIndex.discard` (its lookups batched with the index's next flush),
@@ -13,9 +16,11 @@ with the same effects as applying every event on its own.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from epp.kvindex.events import (
     KNOWN_TIERS,
@@ -33,6 +38,13 @@ from epp.kvindex.sequence import SeqKind, SequenceTracker
 
 ModelOf = Callable[[str], str | None]
 """pod -> the model it serves (configured, or from its metrics), when known."""
+
+MAX_DP_RANKS = 1024
+"""Data-parallel ranks per pod: a batch claiming another rank is dropped (`field_type`), so a
+publisher cannot make the per-publisher state grow without bound."""
+MAX_UNKNOWN_TIERS = 16
+"""Distinct unknown tier names counted per pod; further ones are counted under `OTHER_TIER`."""
+OTHER_TIER = "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +75,12 @@ class _Publisher:
     replaying: bool = False
     restart_pending: bool = False  # a restart is being healed by this replay
     replay_hole: bool = False  # the replay skipped a seq: it cannot be complete
-    held: deque[tuple[int, EventBatch, str | None]] = field(default_factory=deque)
+    lost_contact: bool = False  # the connection dropped: whoever answers next may be a new engine process
+    prev_last: int | None = None  # the last seq before contact was lost, until the next message is seen
+    # Live messages (and replayed ones past the first of them) waiting for the replay to end: (seq, payload,
+    # topic model). Payloads, not decoded batches: a decoded token id costs about ten times its wire size.
+    held: deque[tuple[int, bytes, str | None]] = field(default_factory=deque)
+    held_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -104,12 +121,14 @@ class KvIngest:
         *,
         replay_available: bool = False,
         max_held: int = 10_000,
+        max_held_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.index = index
         self.freshness = freshness
         self.model_of = model_of
         self.replay_available = replay_available
         self.max_held = max_held
+        self.max_held_bytes = max_held_bytes  # per publisher; past it (or `max_held`), an overflow
         self._publishers: dict[tuple[str, int], _Publisher] = {}
         self.counters: dict[str, PodCounters] = {}
         self.last_seq: dict[str, int] = {}
@@ -142,24 +161,35 @@ class KvIngest:
         try:
             batch = decode_batch(payload)
         except DecodeError as err:
-            # The seq still counts as received: the loss shows as `malformed`, not as a gap.
-            self._publisher(pod, rank).seq.advance(seq)
+            # The seq still counts as received: the loss shows as `malformed`, not as a gap. Not while
+            # replaying (the seq is the replay's progress; the replayed copy counts) or out of contact.
+            pub = self._publisher(pod, rank)
+            if not (pub.replaying or pub.lost_contact):
+                pub.seq.advance(seq)
             return self.drop(pod, err.reason, now)
         if rank < 0:
             rank = batch.data_parallel_rank or 0
+            if not 0 <= rank < MAX_DP_RANKS:
+                return self.drop(pod, "field_type", now)
         lag = max(0.0, wall_now - batch.ts) if wall_now is not None and batch.ts > 0 else 0.0
         pub = self._publisher(pod, rank)
+        if pub.lost_contact:
+            # Queued before the connection dropped (its engine may be gone), or sent on the new connection
+            # before its handshake was reported: the stream is taken up again at `on_connected`.
+            self._counters(pod).drops["disconnected"] += 1
+            return Dropped("disconnected")
         if pub.replaying:
-            if len(pub.held) >= self.max_held:
+            if not self._hold(pub, seq, payload, topic_model):
+                pub.replay_hole = True  # lost: its replayed copy would not fit either
                 return self.drop(pod, "overflow", now)
-            pub.held.append((seq, batch, topic_model))
             return Applied(0)
         verdict = pub.seq.classify(seq)
         c = self._counters(pod)
         if verdict.kind is SeqKind.GAP:
             c.gaps += 1
             if self.replay_available:
-                return self._start_replay(pod, rank, pub, verdict.missing_from, seq, batch, topic_model, now)
+                missing = verdict.missing_from
+                return self._start_replay(pod, rank, pub, missing, seq, payload, topic_model, now)
             # Lost events may have removed blocks: forget the pod rather than keep phantoms.
             self.index.clear_pod(pod)
             self.freshness.gap(pod, now, replaying=False)
@@ -169,12 +199,26 @@ class KvIngest:
             pub.seq.reset()
             if seq != 0 and self.replay_available:
                 pub.restart_pending = True
-                return self._start_replay(pod, rank, pub, 0, seq, batch, topic_model, now)
+                return self._start_replay(pod, rank, pub, 0, seq, payload, topic_model, now)
             self.freshness.restart(pod, now, recovered=seq == 0)
-        elif verdict.kind is SeqKind.FIRST and seq != 0:
-            if self.replay_available:
-                return self._start_replay(pod, rank, pub, 0, seq, batch, topic_model, now)
-            self.freshness.joined_late(pod, now)
+        elif verdict.kind is SeqKind.FIRST:
+            prev, pub.prev_last = pub.prev_last, None
+            if prev is not None:  # the first message since the publisher reconnected (the pod was cleared)
+                if seq <= prev:
+                    c.restarts += 1  # the counter went back: a new engine process
+                elif seq > prev + 1:
+                    c.gaps += 1
+            if seq == 0:
+                if prev is not None:
+                    self.freshness.restart(pod, now, recovered=True)
+            elif self.replay_available:
+                return self._start_replay(pod, rank, pub, 0, seq, payload, topic_model, now)
+            elif prev is not None and seq <= prev:
+                self.freshness.restart(pod, now, recovered=False)
+            elif prev is not None and seq > prev + 1:
+                self.freshness.gap(pod, now, replaying=False)
+            else:
+                self.freshness.joined_late(pod, now)
         return self._apply(pod, pub, seq, batch, topic_model, now, lag)
 
     def _start_replay(
@@ -184,34 +228,89 @@ class KvIngest:
         pub: _Publisher,
         from_seq: int,
         seq: int,
-        batch: EventBatch,
+        payload: bytes,
         topic_model: str | None,
         now: float,
     ) -> NeedReplay:
         pub.replaying = True
-        pub.held.append((seq, batch, topic_model))
+        self._hold(pub, seq, payload, topic_model)
         self.freshness.gap(pod, now, replaying=True)
         return NeedReplay(pod, rank, from_seq)
 
+    def _hold(self, pub: _Publisher, seq: int, payload: bytes, topic_model: str | None) -> bool:
+        """Keep a message for the end of the replay, in seq order (a seq held already is kept once);
+        False (not kept) past `max_held` messages or `max_held_bytes`, except the first (the replay
+        needs it)."""
+        held = pub.held
+        at = len(held)
+        if held and seq <= held[-1][0]:  # a replayed message, or a live one that came after its replayed copy
+            at = bisect_left(held, seq, key=itemgetter(0))
+            if held[at][0] == seq:
+                return True
+        if held and (len(held) >= self.max_held or pub.held_bytes + len(payload) > self.max_held_bytes):
+            return False
+        if at == len(held):
+            held.append((seq, payload, topic_model))
+        else:
+            held.insert(at, (seq, payload, topic_model))
+        pub.held_bytes += len(payload)
+        return True
+
     def on_connected(self, pod: str, rank: int, now: float) -> NeedReplay | None:
         """A publisher became reachable. With replay, a publisher never heard from is replayed from 0 at
-        once, so an idle engine's existing blocks are known without waiting for its next event."""
+        once, so an idle engine's existing blocks are known without waiting for its next event. A
+        publisher reachable again after `on_disconnected` is taken up as a new stream (`_reconnected`):
+        with replay, replayed from 0; without, the pod is `joined_late` until its next message tells more."""
+        pub = self._publisher(pod, rank)
+        if pub.lost_contact:
+            self._reconnected(pod, pub)
+            if not self.replay_available:
+                self.freshness.joined_late(pod, now)
         if not self.replay_available:
             return None
-        pub = self._publisher(pod, rank)
         if pub.seq.last is not None or pub.replaying:
             return None
+        pub.prev_last = None  # replayed from its start: nothing to compare the next message with
         pub.replaying = True
         self.freshness.gap(pod, now, replaying=True)
         return NeedReplay(pod, rank, 0)
+
+    def on_disconnected(self, pod: str, rank: int) -> None:
+        """The connection to a publisher dropped (engine killed or restarting, network cut). Whoever
+        answers on that endpoint next may be a new engine process, whose counter may even continue
+        where the old one's stopped, so the sequence alone cannot tell; see `_reconnected`. Live
+        messages until then are dropped (`disconnected`)."""
+        self._publisher(pod, rank).lost_contact = True
+
+    def _reconnected(self, pod: str, pub: _Publisher) -> None:
+        """Contact is back after `on_disconnected`: what was sent meanwhile is lost and the engine may
+        have restarted (an engine that restarted and stayed idle sends nothing that would tell), so the
+        pod's blocks are forgotten and the stream is taken up like a new one. A replay in progress is
+        abandoned (the edge has cancelled it)."""
+        pub.lost_contact = False
+        pub.prev_last = pub.seq.last if pub.seq.last is not None else pub.prev_last
+        self.index.clear_pod(pod)
+        pub.seq.reset()
+        pub.held.clear()
+        pub.held_bytes = 0
+        pub.replaying = False
+        pub.restart_pending = False
+        pub.replay_hole = False
 
     # -- replay ----------------------------------------------------------------------------
     def on_replayed(
         self, pod: str, rank: int, seq: int, payload: bytes, now: float, topic_model: str | None = None
     ) -> Outcome:
         pub = self._publisher(pod, rank)
-        if pub.seq.already_applied(seq) or (pub.held and seq >= pub.held[0][0]):
-            return Applied(0)  # applied already, or the live stream has it (applied from `held`)
+        if pub.seq.already_applied(seq):
+            return Applied(0)
+        if pub.held and seq >= pub.held[0][0]:
+            # Past the first held live message: the live copy is applied from `held` when the replay
+            # ends; what the live stream lost in between is merged into `held`, in seq order.
+            if not self._hold(pub, seq, payload, topic_model):
+                pub.replay_hole = True
+                return self.drop(pod, "overflow", now)
+            return Applied(0)
         expected = 0 if pub.seq.last is None else pub.seq.last + 1
         if seq != expected:
             pub.replay_hole = True
@@ -228,6 +327,7 @@ class KvIngest:
         pub = self._publisher(pod, rank)
         held = list(pub.held)
         pub.held.clear()
+        pub.held_bytes = 0
         pub.replaying = False
         first_held = held[0][0] if held else None
         last = pub.seq.last
@@ -246,7 +346,7 @@ class KvIngest:
         if not ok:
             self.index.clear_pod(pod)  # events are missing: keep no blocks that may have been evicted
         applied = 0
-        for seq, batch, topic_model in held:
+        for seq, payload, topic_model in held:
             if pub.seq.already_applied(seq):
                 continue
             if pub.seq.last is not None and seq > pub.seq.last + 1 and ok:
@@ -255,6 +355,12 @@ class KvIngest:
                 self.index.clear_pod(pod)
                 self.freshness.gap(pod, now, replaying=False)
                 ok = False
+            try:
+                batch = decode_batch(payload)
+            except DecodeError as err:  # a replayed message merged into `held` undecoded
+                pub.seq.advance(seq)
+                self.drop(pod, err.reason, now)
+                continue
             self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
             applied += 1
         return applied
@@ -288,10 +394,12 @@ class KvIngest:
                     model = pod_model
                     if model is None:
                         c.drops["unknown_model"] += 1
+                        self.freshness.problem(pod, now, "unknown_model")  # the index under-reports
                         continue
                 tier = ev.tier
                 if tier not in KNOWN_TIERS:
-                    c.unknown_tiers[tier] += 1
+                    unknown = c.unknown_tiers
+                    unknown[tier if tier in unknown or len(unknown) < MAX_UNKNOWN_TIERS else OTHER_TIER] += 1
                 extra = ev.extra_keys
                 salt = (
                     salt_of(extra, ev.cache_salt)

@@ -19,6 +19,8 @@ from epp.types import InferenceRequest
 
 SERVICE_KEY = "kv_index"
 _EMPTY = np.zeros(0, dtype=np.uint64)
+MAX_UNKEYED_MODELS = 256  # models counted by name in `unkeyed`; further ones (or long names) as "other"
+_MAX_MODEL_CHARS = 256
 
 
 @dataclass
@@ -39,7 +41,7 @@ class KvIndexService:
             return list(prompt)
         tok = self.tokenizers.get(request.model)
         if tok is None:
-            self.unkeyed[(request.model, "no_tokenizer")] += 1
+            self._unkeyed(request.model, "no_tokenizer")
             return None
         try:
             if request.messages is not None:
@@ -47,9 +49,18 @@ class KvIndexService:
             if isinstance(prompt, str):
                 return tok.encode_prompt(prompt)
         except TokenizerError:
-            self.unkeyed[(request.model, "tokenizer_error")] += 1
+            self._unkeyed(request.model, "tokenizer_error")
             return None
         return None
+
+    def _unkeyed(self, model: str, reason: str) -> None:
+        """Count a request that could not be keyed; the model names are clients' to choose: bounded."""
+        key = (model, reason)
+        if key not in self.unkeyed:
+            models = {m for m, _ in self.unkeyed}
+            if len(model) > _MAX_MODEL_CHARS or (model not in models and len(models) >= MAX_UNKEYED_MODELS):
+                key = ("other", reason)
+        self.unkeyed[key] += 1
 
     def prompt_keys(self, request: InferenceRequest) -> np.ndarray | None:
         """Our block keys of the prompt's full blocks (the root carries model and cache salt)."""

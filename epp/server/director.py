@@ -22,6 +22,12 @@ from epp.usage import Usage
 
 log = logging.getLogger("epp.director")
 
+MAX_MODEL_LABELS = 256
+"""Distinct model names the request metrics are labelled with; a model past that (or a name longer
+than MAX_MODEL_LABEL_CHARS) is counted as OTHER_MODEL, so clients cannot grow the metrics without bound."""
+MAX_MODEL_LABEL_CHARS = 256
+OTHER_MODEL = "other"
+
 
 @dataclass(slots=True)
 class RoutedRequest:
@@ -62,6 +68,17 @@ class Director:
         self.tenancy = tenancy
         self.decisions = decisions
         self.decision_header = decision_header
+        self._model_labels: dict[str, str] = {}
+
+    def model_label(self, model: str) -> str:
+        """The metrics label for a request's model: itself, or OTHER_MODEL once MAX_MODEL_LABELS names
+        are taken (a name keeps the label it got first, so in-flight gauges go back to zero)."""
+        label = self._model_labels.get(model)
+        if label is None:
+            if len(self._model_labels) >= MAX_MODEL_LABELS or len(model) > MAX_MODEL_LABEL_CHARS:
+                return OTHER_MODEL
+            label = self._model_labels[model] = model
+        return label
 
     def route(
         self,
@@ -98,8 +115,9 @@ class Director:
         m.picks(decision.primary, decision.profile, decision.reason).inc()
         if decision.mode:
             m.pick_modes(decision.mode).inc()
-        m.requests(request.model, request.model).inc()
-        m.running(request.model).inc()
+        model = self.model_label(request.model)
+        m.requests(model, model).inc()
+        m.running(model).inc()
         observable = request.stream and streamed_response
         ticket = accounting.begin(self.datastore, request, decision, t1, observable, self.cost)
         if self.decisions is not None:
@@ -109,13 +127,14 @@ class Director:
     def reject(self, status: int, code: str, model: str = "") -> None:
         self.metrics.rejections(str(status), code).inc()
         if model:
-            self.metrics.request_errors(model, model, code).inc()
+            label = self.model_label(model)
+            self.metrics.request_errors(label, label, code).inc()
 
     def on_response_status(self, routed: RoutedRequest, status: int) -> None:
         routed.status = status
         if not 200 <= status < 300:
             self.metrics.backend_errors(routed.decision.primary, str(status)).inc()
-            model = routed.request.model
+            model = self.model_label(routed.request.model)
             self.metrics.request_errors(model, model, f"ModelServerError{status}").inc()
 
     def on_first_byte(self, routed: RoutedRequest) -> None:
@@ -141,7 +160,7 @@ class Director:
         if not self.datastore.release(routed.ticket):
             return
         m = self.metrics
-        model = routed.request.model
+        model = self.model_label(routed.request.model)
         m.released(cause).inc()
         m.running(model).dec()
         m.request_duration(model, model).observe(self.clock.now() - routed.routed_at)

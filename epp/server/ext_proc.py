@@ -47,12 +47,11 @@ _JSON_CT = base_pb2.HeaderValueOption(
 def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
     """Lower-cased names; a header sent several times is one comma-joined value (RFC 9110 5.3), so
     a repeated trusted header is visible as such, never silently the last copy."""
-    out: dict[str, str] = {}
+    values: dict[str, list[str]] = {}
     for h in headers.headers.headers:
-        key = h.key.lower()
         value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[key] = f"{out[key]},{value}" if key in out else value
-    return out
+        values.setdefault(h.key.lower(), []).append(value)
+    return {key: ",".join(v) for key, v in values.items()}  # joined once: linear in the copies
 
 
 def served_endpoint(req: pb.ProcessingRequest) -> str | None:
@@ -139,6 +138,7 @@ class RequestStream:
         self.director = director
         self.max_body_bytes = max_body_bytes
         self.headers: dict[str, str] = {}
+        self.seen_headers = False
         self.subset: list[str] | None = None
         self.request_mode = _DUPLEX
         self.response_mode = _DUPLEX
@@ -151,7 +151,11 @@ class RequestStream:
     def on_message(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
         which = msg.WhichOneof("request")
         if which == "request_headers":
+            if self.seen_headers:
+                return self._reject(400, "ProtocolError", "ext_proc: request headers sent twice")
             return self._request_headers(msg)
+        if which in ("request_body", "request_trailers") and not self.seen_headers:
+            return self._reject(400, "ProtocolError", f"ext_proc: {which} before the request headers")
         if which == "request_body":
             return self._request_body(msg.request_body)
         if which == "request_trailers":
@@ -168,6 +172,7 @@ class RequestStream:
         return ()
 
     def _request_headers(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
+        self.seen_headers = True
         if msg.HasField("protocol_config"):
             self.request_mode = msg.protocol_config.request_body_mode
             self.response_mode = msg.protocol_config.response_body_mode

@@ -3,7 +3,8 @@
 Two deployment modes, as in the field:
 - per-pod: one SUB socket per endpoint and data-parallel rank, connected to
   `tcp://<pod-ip>:<port + rank>`, added and removed with the endpoint set. A socket monitor
-  reports when a publisher is reachable.
+  reports when a publisher is reachable (ZMTP handshake done) and when it is lost (the connection
+  closed, or ZMTP heartbeats unanswered: a frozen engine or a vanished node).
 - central: one bound SUB socket that engines connect to; the pod comes from the topic
   `kv@<ip:port>@<model>` (or `kv@<ip>@<model>` when the IP names one endpoint).
 
@@ -38,6 +39,10 @@ log = logging.getLogger("epp.kv_events")
 UNKNOWN_POD = "unknown"
 _FAIR_SHARE = 64  # messages handled in a row before yielding to the event loop
 _TOPIC_CACHE = 1024  # parsed topics kept
+# Central mode: a larger frame makes ZeroMQ drop that publisher's connection (the publisher connects
+# again by itself; a replay attempt fails). Not in per-pod mode: there the EPP's SUB connects, and
+# ZeroMQ does not reconnect after refusing a message.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def split_host(pod: str) -> str:
@@ -74,6 +79,18 @@ class _RateLimitedLog:
 
 
 class KvEventSubscriber:
+    heartbeat_interval: float = 1.0
+    """Seconds between ZMTP heartbeats (PING) on each per-pod SUB connection; the engine's ZeroMQ I/O
+    thread answers them (libzmq >= 4.2), whatever its Python threads are doing."""
+    heartbeat_timeout: float = 3.0
+    """A connection that receives nothing (no event, no PONG) for this long after a PING is closed, so
+    a hung engine or a vanished node turns the pod stale (`publisher_unreachable`) within
+    `heartbeat_interval + heartbeat_timeout` seconds. A killed engine's connection closes at once."""
+    model_wait: float = 5.0
+    """Seconds a replay waits for the pod's model to be known (from its metrics, when neither the
+    endpoint list nor the topic names it): events are keyed by model, and a replay at startup would
+    otherwise come before the first scrape and drop every block (`unknown_model`)."""
+
     def __init__(
         self,
         datastore: Datastore,
@@ -106,6 +123,7 @@ class KvEventSubscriber:
             return
         if s.mode == "central":
             sock = self._sub_socket()
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.bind(s.bind)
             self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._central = sock
@@ -138,6 +156,8 @@ class KvEventSubscriber:
         sock.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # pods may have IPv6 addresses ([addr]:port)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.heartbeat_timeout * 1000))
         for topic in self.settings.topic_filters:
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         return sock
@@ -166,7 +186,8 @@ class KvEventSubscriber:
 
     def _open(self, pod: str, rank: int, now: float) -> None:
         sock = self._sub_socket()
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # Reachable = the ZMTP handshake succeeded (a frozen engine's kernel still accepts TCP connections).
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint_url(pod, self.settings.port + rank))
         self.ingest.freshness.watch(pod, now)
         tasks = [
@@ -277,13 +298,17 @@ class KvEventSubscriber:
                 msg = await monitor.recv_multipart()
                 event = parse_monitor_message(msg)["event"]
                 now = self.clock.now()
-                if event == zmq.EVENT_CONNECTED:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.ingest.freshness.connected(pod, now)
                     need = self.ingest.on_connected(pod, rank, now)
                     if need is not None:
                         self._start_replay(need)
                 elif event == zmq.EVENT_DISCONNECTED:
                     self.ingest.freshness.disconnected(pod, now)
+                    self.ingest.on_disconnected(pod, rank)
+                    replay = self._replays.pop((pod, rank), None)
+                    if replay is not None:
+                        replay.cancel()  # whoever answers next may be a new engine: start again then
                     self._logs.warn(pod, "disconnected", "kv events publisher of %s disconnected", pod)
         finally:
             monitor.close(linger=0)
@@ -291,8 +316,10 @@ class KvEventSubscriber:
     # -- replay ------------------------------------------------------------------------
     def _start_replay(self, need: NeedReplay) -> None:
         key = (need.pod, need.rank)
-        if key in self._replays and not self._replays[key].done():
-            return
+        old = self._replays.get(key)
+        if old is not None and not old.done():
+            # The ingest asks again only once it has given up on that replay (the publisher reconnected).
+            old.cancel()
         self._replays[key] = asyncio.create_task(self._replay(need), name=f"kv-replay-{need.pod}")
 
     async def _replay(self, need: NeedReplay) -> None:
@@ -303,6 +330,10 @@ class KvEventSubscriber:
             if s.replay_port is None:
                 return
             url = endpoint_url(need.pod, s.replay_port + need.rank)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.model_wait
+            while self.ingest.model_of(need.pod) is None and loop.time() < deadline:
+                await asyncio.sleep(0.05)  # live messages are held meanwhile
             for _attempt in range(s.replay_retries + 1):
                 done, next_seq = await self._replay_once(url, need, next_seq)
                 if done:
@@ -313,14 +344,19 @@ class KvEventSubscriber:
         except Exception:
             log.exception("kv events: replay from %s failed", need.pod)
         finally:
-            self._replays.pop((need.pod, need.rank), None)
-            if self.datastore.get(need.pod) is not None:
+            key = (need.pod, need.rank)
+            current = self._replays.get(key) is asyncio.current_task()
+            if current:
+                del self._replays[key]
+            if current and self.datastore.get(need.pod) is not None:  # not superseded or dropped
                 self.ingest.replay_finished(need.pod, need.rank, self.clock.now(), complete)
                 if not complete:
                     self._logs.warn(need.pod, "replay", "kv events replay from %s incomplete", need.pod)
 
     async def _replay_once(self, url: str, need: NeedReplay, start: int) -> tuple[bool, int]:
         sock = self.ctx.socket(zmq.DEALER)
+        if self.settings.mode == "central":  # one socket per attempt: a refused message fails the attempt
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
         sock.connect(url)

@@ -12,7 +12,8 @@ engine), cache geometry takes the first usable label value, and for `vllm:lora_r
 sample with the highest value (a timestamp) wins. Non-finite samples (`NaN`, `±Inf`) are ignored.
 
 Errors: `MetricsParseError` names the line when a line of a needed series is malformed (other lines
-are never inspected, so garbage there is ignored), or says there are no known engine metrics at all.
+are never inspected, so garbage there is ignored), says there are no known engine metrics at all, or
+that a series' (finite) samples add up to more than a float holds.
 """
 
 from __future__ import annotations
@@ -124,6 +125,15 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
             "no known engine metrics (vllm:* or sglang:* queue/KV series) on the page; "
             "is this endpoint a model server?"
         )
+    sums = (
+        ("waiting", waiting),
+        ("running", running),
+        ("prefix cache queries", queries),
+        ("prefix cache hits", hits),
+    )
+    for what, total in sums:
+        if total is not None and not math.isfinite(total):  # finite samples whose sum overflows
+            raise MetricsParseError(f"the {what} samples add up to more than a float holds")
     usage = kv if kv is not None else kv_legacy if kv_legacy is not None else 0.0
     lora = lora or {}
     return MetricsSnapshot(

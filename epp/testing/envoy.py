@@ -74,6 +74,9 @@ class EnvoyConfig:
 
     epp_port: int = 9002
     epp_host: str = "127.0.0.1"
+    # Several EPP replicas in the ext_proc cluster (round robin per stream), as (host, port) pairs;
+    # empty: the one EPP at epp_host:epp_port.
+    epp_endpoints: tuple[tuple[str, int], ...] = ()
     ext_proc: bool = True  # False: no ext_proc at all ("direct" mode, the client sets the header)
     epp_tls: bool = False  # TLS to the EPP without verifying its certificate (as Envoy AI Gateway does)
     request_header_mode: HeaderMode = "SEND"
@@ -311,7 +314,8 @@ def render_bootstrap(cfg: EnvoyConfig) -> dict[str, Any]:
                 "endpoints": [
                     {
                         "lb_endpoints": [
-                            {"endpoint": {"address": _address(cfg.epp_host, cfg.epp_port)}},
+                            {"endpoint": {"address": _address(host, port)}}
+                            for host, port in (cfg.epp_endpoints or ((cfg.epp_host, cfg.epp_port),))
                         ]
                     }
                 ],

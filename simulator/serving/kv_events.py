@@ -74,7 +74,9 @@ class KvEventChannel:
         self._task: asyncio.Task[None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_task: asyncio.Task[None] | None = None
-        self._peers: set[int] = set()  # sockets (fds) of the peers that completed a handshake
+        # ZeroMQ's handshake event carries no peer id (its value is 0) and a disconnect carries the fd,
+        # so peers are counted: +1 per completed handshake, -1 per disconnect of a connection.
+        self._peers = 0
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.published = 0
@@ -133,15 +135,15 @@ class KvEventChannel:
 
     @property
     def peers(self) -> int:
-        return len(self._peers)
+        return self._peers
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         while True:
             msg = parse_monitor_message(await monitor.recv_multipart())
             if msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._peers.add(int(msg["value"]))
+                self._peers += 1
             elif msg["event"] == zmq.EVENT_DISCONNECTED:
-                self._peers.discard(int(msg["value"]))
+                self._peers = max(0, self._peers - 1)
 
     async def _send_loop(self) -> None:
         while True:

@@ -583,3 +583,21 @@ async def test_the_epp_routes_a_repeated_prompt_to_the_engine_holding_it(
         assert (holder.runner.submitted, other.runner.submitted) == (4, 0)
         # The batches' timestamps are wall-clock epoch seconds, as vLLM's: the EPP sees no lag.
         assert epp.freshness.state(holder.address, epp.clock.now()) == FRESH
+
+
+async def test_kv_peers_counts_every_subscriber_and_forgets_the_ones_that_leave() -> None:
+    ctx = zmq.asyncio.Context()
+    try:
+        async with serving(kv_events_endpoint="tcp://127.0.0.1:*") as (srv, _):
+            assert srv.kv_events_endpoint is not None
+            subs = [ctx.socket(zmq.SUB) for _ in range(2)]
+            for sub in subs:
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(srv.kv_events_endpoint)
+            await eventually(lambda: srv.kv_peers == 2, "both subscribers counted")
+            subs[0].close(linger=0)
+            await eventually(lambda: srv.kv_peers == 1, "the closed subscriber forgotten")
+            subs[1].close(linger=0)
+            await eventually(lambda: srv.kv_peers == 0, "no subscriber left")
+    finally:
+        ctx.term()

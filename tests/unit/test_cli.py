@@ -62,6 +62,7 @@ def test_serve_without_endpoints_is_a_config_error(capsys: pytest.CaptureFixture
         (["serve", "--endpoints", "10.0.0.1:80", "--max-body-size", "lots"], "not a size"),
         (["serve", "--endpoints", "10.0.0.1:80", "--tokenizer", "no-equals-sign"], "expected MODEL=DIR"),
         (["serve", "--endpoints", "10.0.0.1:80", "--kv-events-mode", "sideways"], "invalid choice"),
+        (["serve", "--endpoints", "10.0.0.1:80", "--shutdown-grace", "a while"], "not a duration"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(

@@ -161,6 +161,7 @@ def test_reference_style_config_is_accepted() -> None:
             "kvEvents",
             "mode",
         ),
+        (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {mode: on}\n", "kvEvents", "mode"),
         (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {port: 0}\n", "kvEvents", "port"),
         (
             HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {replayPort: 70000}\n",
@@ -263,3 +264,10 @@ def test_the_default_profile_is_the_ttft_scorer_with_the_kv_index_when_there_is_
     plain = build_scheduler(default_config(), default_registry(), FakeClock(), random.Random(0))
     assert isinstance(plain.profiles["default"].scorers[0].scorer, TtftScorer)
     assert plain.profiles["default"].scorers[0].scorer.kv is None
+
+
+def test_a_bare_off_kv_events_mode_is_off() -> None:
+    """YAML 1.1 reads `off` as false; the config means the mode "off"."""
+    body = "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {mode: off, port: 5600}\n"
+    cfg = parse_config(HEAD + body)
+    assert cfg.kv_events.mode == "off" and cfg.kv_events.port == 5600

@@ -870,11 +870,15 @@ def test_store_many_leaves_the_index_as_store_does(max_entries: int, data: st.Da
 def test_tier_limit() -> None:
     index = BlockIndex(BS)
     hs, _, toks = events_for(TOKENS, BS, 1)[0]
-    for t in range(12):
+    # 12 tiers; made-up names take at most 9, so gpu, cpu and storage always find a slot.
+    for t in range(9):
         assert index.store("p", hs, None, toks, BS, f"tier{t}", ROOT).stored == 1
     assert index.store("p", hs, None, toks, BS, "one-too-many", ROOT) == StoreOutcome(0, False)
-    assert index.stats().rejected == 1
-    assert index.pod_counts("p") == {f"tier{t}": 1 for t in range(12)}
+    for tier in ("gpu", "cpu", "storage"):
+        assert index.store("p", hs, None, toks, BS, tier, ROOT).stored == 1
+    assert index.store("p", hs, None, toks, BS, "still-too-many", ROOT) == StoreOutcome(0, False)
+    assert index.stats().rejected == 2
+    assert index.pod_counts("p") == {**{f"tier{t}": 1 for t in range(9)}, "gpu": 1, "cpu": 1, "storage": 1}
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 64])

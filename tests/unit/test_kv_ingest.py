@@ -14,6 +14,7 @@ from epp.kvindex.freshness import Freshness, FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import Applied, Dropped, KvIngest, NeedReplay, salt_of
 from epp.kvindex.keys import block_keys, root_key
+from epp.testing.fakes import FakeClock
 from epp.testing.kv_publisher import cleared, encode_batch, removed, stored
 
 BS = 16
@@ -246,3 +247,336 @@ def test_a_message_is_applied_as_its_events_one_by_one(data: st.DataObject) -> N
         ):
             keys = block_keys(tokens, BS, root)
             assert index.lookup(keys, [P]) == ref.lookup(keys, [P])
+
+
+# -- lost contact, reconnects, replay merging, the held-bytes cap ---------------------------------
+
+
+def chain(n: int) -> list[bytes]:
+    """`n` messages, each storing one block chained to the previous one (message i: engine hash i + 1,
+    parent i), so that a message applied out of order or twice shows in the index."""
+    return [encode_batch([stored([i + 1], i or None, toks(1, i * BS))]) for i in range(n)]
+
+
+def chain_len(ing: KvIngest, n: int) -> int:
+    """How many blocks of `chain(n)`'s prompt the index finds for the pod, from the start."""
+    return ing.index.lookup(block_keys(toks(n), BS, root_key("m")), [P])[P].get("gpu", 0)
+
+
+def published(payloads: list[bytes]) -> KvIngest:
+    """The index every message applied once, in order: what a loss-free stream gives."""
+    ref = make()
+    for seq, payload in enumerate(payloads):
+        assert ref.on_live(P, 0, seq, payload, 1.0) == Applied(1)
+    return ref
+
+
+def assert_same_index(ing: KvIngest, ref: KvIngest, n: int) -> None:
+    assert chain_len(ing, n) == chain_len(ref, n) == n
+    assert ing.index.pod_counts(P) == ref.index.pod_counts(P)
+    assert ing.index.stats().entries == ref.index.stats().entries
+    assert ing.counters[P].orphans == 0
+
+
+def lose_contact(ing: KvIngest, now: float) -> None:
+    """What the edge reports when the publisher's connection drops."""
+    ing.freshness.disconnected(P, now)
+    ing.on_disconnected(P, 0)
+
+
+def regain_contact(ing: KvIngest, now: float) -> NeedReplay | None:
+    """What the edge reports when the publisher's connection is back (the ZMTP handshake done)."""
+    ing.freshness.connected(P, now)
+    return ing.on_connected(P, 0, now)
+
+
+def verdict(ing: KvIngest, now: float) -> tuple[Freshness, str]:
+    v = ing.freshness.state(P, now)
+    return v.state, v.reason
+
+
+def test_live_messages_while_disconnected_are_dropped_and_change_nothing() -> None:
+    clock = FakeClock()
+    ing = make()
+    p = chain(3)
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    ing.on_live(P, 0, 1, p[1], clock.now())
+    lose_contact(ing, clock.now())
+
+    def state() -> tuple[object, ...]:
+        return (ing.index.pod_counts(P), ing.index.stats().entries, ing.counters[P].messages, ing.last_seq[P])
+
+    before = state()
+    assert ing.on_live(P, 0, 2, p[2], clock.now()) == Dropped("disconnected")
+    assert ing.on_live(P, 0, 3, encode_batch([cleared()]), clock.now()) == Dropped("disconnected")
+    assert ing.counters[P].drops["disconnected"] == 2
+    assert state() == before
+    assert chain_len(ing, 2) == 2
+    assert verdict(ing, clock.now()) == (Freshness.STALE, "publisher_unreachable")
+    clock.advance(1.0)
+    regain_contact(ing, clock.now())  # from here on, messages are taken again
+    assert ing.on_live(P, 0, 2, encode_batch([stored([50], None, toks(1, 5000))]), clock.now()) == Applied(1)
+    assert ing.counters[P].drops["disconnected"] == 2 and gpu(ing) == 1
+
+
+def test_a_malformed_message_while_disconnected_does_not_move_the_stream_on() -> None:
+    """Garbage queued before the connection dropped says nothing about the next engine's counter."""
+    clock = FakeClock()
+    ing = make()
+    p = chain(2)
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    ing.on_live(P, 0, 1, p[1], clock.now())
+    lose_contact(ing, clock.now())
+    assert ing.on_live(P, 0, 50, b"\xc1", clock.now()) == Dropped("msgpack")
+    clock.advance(ing.freshness.hold + 1.0)  # past the `malformed` problem's hold
+    regain_contact(ing, clock.now())
+    # The new connection's first message continues the old counter: no restart, no gap.
+    ing.on_live(P, 0, 2, encode_batch([stored([50], None, toks(1, 5000))]), clock.now())
+    assert ing.counters[P].restarts == 0 and ing.counters[P].gaps == 0
+    assert verdict(ing, clock.now()) == (Freshness.DEGRADED, "joined_late")
+
+
+@pytest.mark.parametrize(
+    ("seq", "restarts", "gaps", "expected"),
+    [
+        (2, 0, 0, (Freshness.DEGRADED, "joined_late")),  # the old counter continued: may be a new process
+        (1, 1, 0, (Freshness.STALE, "restart_without_replay")),  # the counter went back, its start missed
+        (0, 1, 0, (Freshness.FRESH, "ok")),  # a new process, seen from its first message
+        (5, 0, 1, (Freshness.STALE, "unrecovered_gap")),  # messages lost meanwhile
+    ],
+)
+def test_reconnect_without_replay_forgets_the_pod_and_takes_the_stream_up_anew(
+    seq: int, restarts: int, gaps: int, expected: tuple[Freshness, str]
+) -> None:
+    clock = FakeClock()
+    ing = make()
+    p = chain(2)
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    ing.on_live(P, 0, 1, p[1], clock.now())
+    lose_contact(ing, clock.now())
+    clock.advance(1.0)
+    assert regain_contact(ing, clock.now()) is None
+    assert gpu(ing) == 0  # forgotten at once, before any message of the new connection
+    assert verdict(ing, clock.now()) == (Freshness.DEGRADED, "joined_late")
+    clock.advance(1.0)
+    first = encode_batch([stored([70], None, toks(1, 7000))])
+    assert ing.on_live(P, 0, seq, first, clock.now()) == Applied(1)
+    assert gpu(ing) == 1 and chain_len(ing, 2) == 0  # the new block only: the old ones stay gone
+    assert (ing.counters[P].restarts, ing.counters[P].gaps) == (restarts, gaps)
+    assert verdict(ing, clock.now()) == expected
+    assert ing.last_seq[P] == seq
+
+
+def test_reconnect_with_replay_replays_from_zero_and_the_replay_rebuilds_the_pod() -> None:
+    clock = FakeClock()
+    ing = make(replay=True)
+    p = chain(4)
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    ing.on_live(P, 0, 1, p[1], clock.now())
+    lose_contact(ing, clock.now())
+    clock.advance(1.0)
+    assert regain_contact(ing, clock.now()) == NeedReplay(P, 0, 0)
+    assert gpu(ing) == 0
+    assert verdict(ing, clock.now()) == (Freshness.DEGRADED, "replaying")
+    assert ing.on_live(P, 0, 3, p[3], clock.now()) == Applied(0)  # held until the replay ends
+    for seq in range(3):
+        ing.on_replayed(P, 0, seq, p[seq], clock.now())
+    assert ing.replay_finished(P, 0, clock.now(), complete=True) == 1
+    assert_same_index(ing, published(p), 4)
+    assert ing.counters[P].replays["complete"] == 1
+    assert verdict(ing, clock.now()) == (Freshness.FRESH, "ok")
+
+
+def test_a_reconnect_abandons_the_replay_in_progress_and_its_held_messages() -> None:
+    ing = make(replay=True)
+    p = chain(3)
+    ing.on_live(P, 0, 0, p[0], 1.0)
+    assert ing.on_live(P, 0, 2, p[2], 1.0) == NeedReplay(P, 0, 1)  # p[2] held
+    lose_contact(ing, 2.0)
+    assert regain_contact(ing, 3.0) == NeedReplay(P, 0, 0)  # a new replay, of whoever answers now
+    new = encode_batch([stored([80], None, toks(1, 8000))])
+    ing.on_replayed(P, 0, 0, new, 3.1)
+    assert ing.replay_finished(P, 0, 3.2, complete=True) == 0  # the old engine's held message is not applied
+    assert gpu(ing) == 1 and chain_len(ing, 3) == 0
+    assert verdict(ing, 3.2) == (Freshness.FRESH, "ok")
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_an_engine_that_restarted_and_stayed_idle_is_not_reported_fresh(replay: bool) -> None:
+    """Disconnected, reachable again, nothing sent: its old blocks may be gone with the old process."""
+    clock = FakeClock()
+    ing = make(replay)
+    p = chain(2)
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    ing.on_live(P, 0, 1, p[1], clock.now())
+    assert verdict(ing, clock.now()) == (Freshness.FRESH, "ok")
+    lose_contact(ing, clock.now())
+    clock.advance(1.0)
+    need = regain_contact(ing, clock.now())
+    assert need == (NeedReplay(P, 0, 0) if replay else None)
+    clock.advance(1.0)
+    assert gpu(ing) == 0 and chain_len(ing, 2) == 0
+    assert verdict(ing, clock.now()) == (
+        (Freshness.DEGRADED, "replaying") if replay else (Freshness.DEGRADED, "joined_late")
+    )
+    if replay:  # the new process has nothing to replay: the empty index is then the whole truth
+        assert ing.replay_finished(P, 0, clock.now(), complete=True) == 0
+        assert gpu(ing) == 0 and verdict(ing, clock.now()) == (Freshness.FRESH, "ok")
+
+
+def test_a_gap_replay_merges_what_the_live_stream_lost_and_applies_duplicates_once() -> None:
+    clock = FakeClock()
+    ing = make(replay=True)
+    p = chain(8)
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    ing.on_live(P, 0, 1, p[1], clock.now())
+    # live 2 lost
+    assert ing.on_live(P, 0, 3, p[3], clock.now()) == NeedReplay(P, 0, 2)
+    # live 4 lost
+    assert ing.on_live(P, 0, 5, p[5], clock.now()) == Applied(0)
+    assert ing.on_replayed(P, 0, 1, p[1], clock.now()) == Applied(0)  # applied already
+    assert ing.on_replayed(P, 0, 2, p[2], clock.now()) == Applied(1)  # before the first held: applied now
+    for seq in (3, 4, 5, 6):  # 3, 5: held live copies; 4: the live stream lost it; 6: not received live yet
+        assert ing.on_replayed(P, 0, seq, p[seq], clock.now()) == Applied(0)
+    assert chain_len(ing, 8) == 3  # nothing past the first held message is applied yet
+    assert ing.on_live(P, 0, 6, p[6], clock.now()) == Applied(0)  # its replayed copy is held already
+    assert ing.on_live(P, 0, 7, p[7], clock.now()) == Applied(0)
+    assert ing.replay_finished(P, 0, clock.now(), complete=True) == 5  # 3, 4, 5, 6, 7 in seq order
+    assert_same_index(ing, published(p), 8)
+    assert ing.counters[P].messages == 8  # every message applied once
+    assert ing.counters[P].replays["complete"] == 1 and ing.counters[P].gaps == 1
+    assert ing.last_seq[P] == 7
+    assert verdict(ing, clock.now()) == (Freshness.FRESH, "ok")
+    # One copy of each block: one removal each takes it away (a second copy would keep it).
+    assert ing.on_live(P, 0, 8, encode_batch([removed([4, 6, 7])]), clock.now()) == Applied(1)
+    assert gpu(ing) == 5 and chain_len(ing, 8) == 3
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_gap_replay_interleaved_with_the_live_stream_loses_no_block(data: st.DataObject) -> None:
+    """Live messages are lost after a first one; the replay (from the first lost, up to some point at
+    or after the message that revealed the gap) arrives interleaved with the rest of the live stream in
+    any order. When the replay reaches every lost message the index ends as the published stream gives
+    it, each message applied once; when a live message past the replay's end was lost, the pod is
+    stale and keeps no block it cannot vouch for."""
+    n = data.draw(st.integers(3, 12), label="messages")
+    p = chain(n)
+    lost = set(data.draw(st.lists(st.integers(1, n - 2), min_size=1, unique=True), label="lost"))
+    first_lost = min(lost)
+    trigger = next(s for s in range(first_lost, n) if s not in lost)
+    end = data.draw(st.integers(trigger, n - 1), label="replay end")
+    ing = make(replay=True)
+    for seq in range(first_lost):
+        assert ing.on_live(P, 0, seq, p[seq], 1.0) == Applied(1)
+    assert ing.on_live(P, 0, trigger, p[trigger], 1.0) == NeedReplay(P, 0, first_lost)
+    replayed = list(range(first_lost, end + 1))
+    live = [s for s in range(trigger + 1, n) if s not in lost]
+    while replayed or live:
+        if replayed and (not live or data.draw(st.booleans(), label="replayed next")):
+            seq = replayed.pop(0)
+            ing.on_replayed(P, 0, seq, p[seq], 1.1)
+        else:
+            seq = live.pop(0)
+            assert ing.on_live(P, 0, seq, p[seq], 1.1) == Applied(0)
+    ing.replay_finished(P, 0, 1.2, complete=True)
+    if max(lost) <= end:
+        assert_same_index(ing, published(p), n)
+        assert ing.counters[P].messages == n
+        assert verdict(ing, 1.2) == (Freshness.FRESH, "ok")
+    else:
+        assert verdict(ing, 1.2) == (Freshness.STALE, "unrecovered_gap")
+        assert ing.counters[P].gaps == 2
+        assert chain_len(ing, n) == 0  # cleared; what follows the loss cannot be chained
+
+
+def make_capped(max_held_bytes: int) -> KvIngest:
+    return KvIngest(
+        BlockIndex(block_size=BS, max_entries=10_000),
+        FreshnessTracker(),
+        lambda pod: "m",
+        replay_available=True,
+        max_held_bytes=max_held_bytes,
+    )
+
+
+def test_the_first_held_message_is_kept_whatever_the_byte_cap() -> None:
+    ing = make_capped(1)
+    p = chain(3)
+    ing.on_live(P, 0, 0, p[0], 1.0)
+    assert ing.on_live(P, 0, 2, p[2], 1.0) == NeedReplay(P, 0, 1)
+    ing.on_replayed(P, 0, 1, p[1], 1.1)
+    assert ing.replay_finished(P, 0, 1.2, complete=True) == 1
+    assert_same_index(ing, published(p), 3)
+    assert ing.counters[P].drops["overflow"] == 0
+    assert verdict(ing, 1.2) == (Freshness.FRESH, "ok")
+
+
+@pytest.mark.parametrize("replay_end", [2, 3, 4])
+def test_holding_past_the_byte_cap_drops_and_the_replay_is_incomplete(replay_end: int) -> None:
+    """A live message dropped for the cap is lost whether or not the replay reaches it (its replayed
+    copy does not fit either): the pod is cleared and stale, even once the drop is old news."""
+    clock = FakeClock()
+    p = chain(6)
+    ing = make_capped(max(map(len, p)))  # room for one message
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    assert ing.on_live(P, 0, 2, p[2], clock.now()) == NeedReplay(P, 0, 1)
+    assert ing.on_live(P, 0, 3, p[3], clock.now()) == Dropped("overflow")
+    assert ing.counters[P].drops["overflow"] == 1
+    for seq in range(1, replay_end + 1):
+        ing.on_replayed(P, 0, seq, p[seq], clock.now())
+    ing.replay_finished(P, 0, clock.now(), complete=True)
+    assert ing.counters[P].replays == Counter({"incomplete": 1})
+    clock.advance(ing.freshness.hold + 1.0)  # past the `dropped` problem's hold
+    assert verdict(ing, clock.now()) == (Freshness.STALE, "unrecovered_gap")
+    assert chain_len(ing, 6) < 4  # never claims the message it dropped
+
+
+def test_held_bytes_are_given_back_when_the_replay_ends() -> None:
+    p = chain(8)
+    ing = make_capped(2 * max(map(len, p)))  # room for two messages
+    ing.on_live(P, 0, 0, p[0], 1.0)
+    for gap_at in (2, 5):
+        assert ing.on_live(P, 0, gap_at, p[gap_at], 1.0) == NeedReplay(P, 0, gap_at - 1)
+        assert ing.on_live(P, 0, gap_at + 1, p[gap_at + 1], 1.0) == Applied(0)
+        if gap_at == 5:
+            ing.on_replayed(P, 0, 4, p[4], 1.1)
+        ing.on_replayed(P, 0, gap_at - 1, p[gap_at - 1], 1.1)
+        assert ing.replay_finished(P, 0, 1.2, complete=True) == 2
+    ing.on_live(P, 0, 7, p[7], 1.3)
+    assert ing.counters[P].drops["overflow"] == 0
+    assert_same_index(ing, published(p), 8)
+
+
+def test_a_message_held_live_and_replayed_takes_its_room_once() -> None:
+    p = chain(4)
+    ing = make_capped(2 * max(map(len, p)))  # room for two messages
+    ing.on_live(P, 0, 0, p[0], 1.0)
+    assert ing.on_live(P, 0, 2, p[2], 1.0) == NeedReplay(P, 0, 1)
+    for seq in (1, 2, 3):  # 2: its live copy is held; 3: merged, not received live yet
+        assert ing.on_replayed(P, 0, seq, p[seq], 1.1) == Applied(1 if seq == 1 else 0)
+    assert ing.on_live(P, 0, 3, p[3], 1.1) == Applied(0)  # held already: no room needed
+    assert ing.replay_finished(P, 0, 1.2, complete=True) == 2
+    assert ing.counters[P].drops["overflow"] == 0 and ing.counters[P].replays["complete"] == 1
+    assert_same_index(ing, published(p), 4)
+
+
+def test_a_malformed_live_message_during_a_replay_does_not_skip_the_replay() -> None:
+    """Seq 3 is malformed at the source (live and replayed copies alike): it is counted as malformed,
+    and the replayed messages before it are still applied."""
+    clock = FakeClock()
+    good = chain(4)
+    p = [good[0], good[1], good[2], b"\xc1", good[3]]  # good[3] chains to good[2]
+    ing = make(replay=True)
+    ing.on_live(P, 0, 0, p[0], clock.now())
+    assert ing.on_live(P, 0, 2, p[2], clock.now()) == NeedReplay(P, 0, 1)
+    assert ing.on_live(P, 0, 3, p[3], clock.now()) == Dropped("msgpack")
+    assert ing.on_live(P, 0, 4, p[4], clock.now()) == Applied(0)
+    for seq in range(1, 5):
+        ing.on_replayed(P, 0, seq, p[seq], clock.now())
+    ing.replay_finished(P, 0, clock.now(), complete=True)
+    assert chain_len(ing, 4) == 4 and ing.counters[P].orphans == 0
+    assert ing.counters[P].replays["complete"] == 1 and ing.counters[P].gaps == 1
+    assert ing.counters[P].drops["msgpack"] == 2  # the live copy and the replayed one
+    assert ing.last_seq[P] == 4
+    assert verdict(ing, clock.now()) == (Freshness.DEGRADED, "malformed")

@@ -128,6 +128,19 @@ def test_silent_publisher_while_the_engine_misses_is_stale() -> None:
     assert f.state("p", 21).state is Freshness.FRESH
 
 
+def test_an_engine_restarted_without_events_turns_silent_once_its_new_counter_rises() -> None:
+    """Its metrics count from 0 again; the baseline follows, or the pod would stay fresh forever."""
+    f = ft()
+    f.engine_misses("p", 50_000)
+    f.message("p", 0)
+    f.engine_misses("p", 50_010)
+    f.engine_misses("p", 0)  # a new engine process
+    f.engine_misses("p", 300)  # missing, and publishing nothing
+    assert (f.state("p", 20).state, f.state("p", 20).reason) == (Freshness.STALE, "silent")
+    f.message("p", 21)
+    assert f.state("p", 21).state is Freshness.FRESH
+
+
 def test_a_pod_that_never_publishes_while_missing_is_stale() -> None:
     f = ft()
     f.watch("p", 0)
