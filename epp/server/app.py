@@ -8,6 +8,7 @@ import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -67,6 +68,12 @@ class ServerSettings:
     seed: int | None = None
     debug_endpoints: bool = True
     discovery: DiscoverySettings | None = None  # the endpoint set from an InferencePool (no static endpoints)
+
+    @classmethod
+    def loopback(cls, **overrides: Any) -> ServerSettings:
+        """Plaintext on 127.0.0.1 with every port picked by the OS (tests, benchmarks, the demo)."""
+        base: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "grpc_health_port": 0, "metrics_port": 0}
+        return cls(**{**base, "secure_serving": False, **overrides})
 
 
 class EppServer:

@@ -195,9 +195,7 @@ async def tenant_pool(
     seen: dict[str, list[Seen]] = {}
     cfg = parse_config(config_yaml(kv_port, replay_port, tok_dir), "tenancy.yaml")
     cfg = replace(cfg, kv_events=replace(cfg.kv_events, sync_interval=0.05))
-    settings = ServerSettings(
-        host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0, secure_serving=False, seed=11
-    )
+    settings = ServerSettings.loopback(seed=11)
     started: list[SimulatedEngineServer] = []
     epp: EppServer | None = None
     envoy: EnvoyProcess | None = None

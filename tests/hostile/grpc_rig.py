@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Iterator
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -38,13 +37,7 @@ CHAT_BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hello the
 
 class ServerThread:
     def __init__(self, max_body_bytes: int = ServerSettings().max_body_bytes) -> None:
-        self.settings = replace(
-            ServerSettings(),
-            host="127.0.0.1",
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=0,
-            secure_serving=False,
+        self.settings = ServerSettings.loopback(
             refresh_metrics_interval=0,
             max_body_bytes=max_body_bytes,
             seed=1,

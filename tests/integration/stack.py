@@ -149,9 +149,7 @@ async def kv_cluster(
         kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=0.05),
         tokenizers={MODEL: tokenizer_dir} if tokenizer_dir else dict(cfg.tokenizers),
     )
-    settings = ServerSettings(
-        host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0, secure_serving=False, seed=3
-    )
+    settings = ServerSettings.loopback(seed=3)
     epp = EppServer(settings, cfg, [StaticEndpoint(b.address, MODEL) for b in backends])
     await epp.start()
     proc = EnvoyProcess(replace(envoy or EnvoyConfig(), epp_port=epp.grpc_port))

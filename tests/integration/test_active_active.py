@@ -113,12 +113,7 @@ async def cluster(replicas: int) -> AsyncIterator[Cluster]:
             await e.start()
             started.append(e)
         for i in range(replicas):
-            settings = ServerSettings(
-                host="127.0.0.1",
-                grpc_port=0,
-                grpc_health_port=0,
-                metrics_port=0,
-                secure_serving=False,
+            settings = ServerSettings.loopback(
                 seed=100 + i,  # each replica breaks ties with its own seed
             )
             epp = EppServer(settings, config, [StaticEndpoint(e.address, MODEL) for e in engines])

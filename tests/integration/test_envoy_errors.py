@@ -133,12 +133,7 @@ schedulingProfiles:
 async def test_an_internal_error_is_500_and_the_server_keeps_serving() -> None:
     registry = default_registry()
     registry.register(PluginSpec("exploding-scorer", "scorer", NoParams, lambda n, p, h: _Exploding()))
-    settings = ServerSettings(
-        host="127.0.0.1",
-        grpc_port=0,
-        grpc_health_port=0,
-        metrics_port=0,
-        secure_serving=False,
+    settings = ServerSettings.loopback(
         refresh_metrics_interval=0,
     )
     epp = EppServer(settings, parse_config(EXPLODING, "x.yaml"), registry=registry)

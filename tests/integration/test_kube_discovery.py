@@ -359,12 +359,7 @@ async def test_the_server_follows_the_pool_and_drains_departed_pods_from_the_ind
         default_config(), kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=300.0)
     )
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
-    settings = ServerSettings(
-        host="127.0.0.1",
-        grpc_port=0,
-        grpc_health_port=0,
-        metrics_port=0,
-        secure_serving=False,
+    settings = ServerSettings.loopback(
         refresh_metrics_interval=0,
         pool_name=POOL,
         discovery=settings_for(kubeconfig),

@@ -519,9 +519,7 @@ async def epp_cluster(tok_dir: pathlib.Path, mode: str) -> AsyncIterator[dict[st
     if central:
         kv = replace(kv, bind=central)
     config = replace(default_config(), kv_events=kv, tokenizers={MODEL: str(tok_dir)})
-    settings = ServerSettings(
-        host="127.0.0.1", grpc_port=0, grpc_health_port=0, metrics_port=0, secure_serving=False, seed=5
-    )
+    settings = ServerSettings.loopback(seed=5)
     addresses = [f"{e.config.host}:{e.config.port}" for e in engines]
     epp = EppServer(settings, config, [StaticEndpoint(a, MODEL) for a in addresses])
     envoy: EnvoyProcess | None = None

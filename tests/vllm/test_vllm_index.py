@@ -74,12 +74,7 @@ def epp_server(engine: VllmEngine) -> EppServer:
         tokenizers={MODEL_NAME: str(engine.model)},
         index=IndexConfig(block_size=INDEX_BLOCK_SIZE),
     )
-    settings = ServerSettings(
-        host="127.0.0.1",
-        grpc_port=0,
-        grpc_health_port=0,
-        metrics_port=0,
-        secure_serving=False,
+    settings = ServerSettings.loopback(
         refresh_metrics_interval=0.2,
         seed=0,
     )
