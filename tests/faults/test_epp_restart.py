@@ -17,7 +17,7 @@ import aiohttp
 from epp.testing.backend import FakeModelServer
 from epp.testing.envoy import EnvoyConfig, EnvoyProcess, die_with_parent, free_port
 from epp.testing.kv_publisher import KvEventPublisher, stored
-from epp.testing.wait import eventually
+from epp.testing.wait import eventually, http_ok
 
 from .cluster import BS, HOSTS, MODEL, tokens
 
@@ -32,20 +32,8 @@ class EppProcess:
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self.proc = await asyncio.create_subprocess_exec(*self.argv, preexec_fn=die_with_parent)
-
-        async def ready() -> bool:
-            try:
-                async with session.get(f"http://127.0.0.1:{self.metrics_port}/readyz") as r:
-                    return r.status == 200
-            except aiohttp.ClientError:
-                return False
-
-        for _ in range(1000):
-            assert self.proc.returncode is None, "epp serve exited early"
-            if await ready():
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError("epp serve did not become ready")
+        url = f"http://127.0.0.1:{self.metrics_port}/readyz"
+        await http_ok(session, url, "epp serve ready", process=self.proc)
 
     async def kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:

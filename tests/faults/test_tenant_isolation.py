@@ -31,7 +31,7 @@ from epp.server.app import EppServer, ServerSettings
 from epp.tenancy import TenantSalter
 from epp.testing.envoy import EnvoyConfig, EnvoyProcess, RequestBodyMode, free_port
 from epp.testing.tokenizer import build_tiny_tokenizer
-from epp.testing.wait import eventually
+from epp.testing.wait import eventually, http_ok
 from simulator.engine import EngineConfig
 from simulator.records import RequestRecord
 from simulator.serving import EngineServerConfig, SimulatedEngineServer
@@ -457,18 +457,7 @@ async def serve_with_debug_off(
                 async with session.get(admin + path) as r:
                     return r.status, await r.text()
 
-            async def ready() -> bool:
-                with contextlib.suppress(aiohttp.ClientError):
-                    return (await get("/readyz"))[0] == 200
-                return False
-
-            for _ in range(1000):
-                if await ready():
-                    break
-                assert proc.returncode is None, "epp serve exited early"
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("epp serve did not become ready")
+            await http_ok(session, admin + "/readyz", "epp serve ready", process=proc)
             await eventually(lambda: engine.kv_peers == 1, "the EPP subscribed to the engine")
             async with EnvoyProcess(EnvoyConfig(epp_port=grpc_port)) as envoy:
                 for i, stream in enumerate((False, True, False)):

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epp.server.tls import self_signed
 from epp.testing.backend import FakeModelServer
 from epp.testing.envoy import EnvoyConfig, EnvoyProcess, free_port
+from epp.testing.wait import http_ok
 
 from .stack import CHAT, eventually
 
@@ -48,21 +49,7 @@ async def test_serve_process_routes_through_envoy_with_a_given_certificate(tmp_p
         )
         try:
             async with aiohttp.ClientSession() as s:
-
-                async def ready() -> bool:
-                    try:
-                        async with s.get(f"http://127.0.0.1:{metrics_port}/readyz") as r:
-                            return r.status == 200
-                    except aiohttp.ClientError:
-                        return False
-
-                for _ in range(500):
-                    if await ready():
-                        break
-                    assert proc.returncode is None, "epp serve exited early"
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError("epp serve did not become ready")
+                await http_ok(s, f"http://127.0.0.1:{metrics_port}/readyz", "epp serve ready", process=proc)
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:
                     resp = await health_pb2_grpc.HealthStub(ch).Check(
                         health_pb2.HealthCheckRequest(service="")
