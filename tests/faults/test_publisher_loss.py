@@ -13,6 +13,7 @@ from typing import Any
 import zmq
 
 from epp.kvindex.freshness import Freshness
+from epp.testing.kv_publisher import KvEventPublisher
 from epp.testing.wait import eventually
 
 from .cluster import BS, KvPool, kv_pool, tokens
@@ -55,13 +56,22 @@ async def setup(pool: KvPool, victim: str) -> PublisherProcess:
     return proc
 
 
+async def start_others(pool: KvPool, victim: str) -> list[KvEventPublisher]:
+    """Start a publisher for every pod but `victim`, each joined by the EPP."""
+    others = []
+    for pod in pool.pods:
+        if pod != victim:
+            p = pool.publisher(pod)
+            await p.start()
+            await pool.joined(pod, p)
+            others.append(p)
+    return others
+
+
 async def test_killed_publisher_turns_stale_then_recovers_from_a_new_one() -> None:
     async with kv_pool(3, replay=True) as pool:
         victim = pool.pods[1]
-        others = [pool.publisher(p) for p in (pool.pods[0], pool.pods[2])]
-        for pod, p in zip((pool.pods[0], pool.pods[2]), others, strict=True):
-            await p.start()
-            await pool.joined(pod, p)
+        others = await start_others(pool, victim)
         try:
             proc = await setup(pool, victim)
             for pod in pool.pods:
@@ -101,10 +111,7 @@ async def test_killed_publisher_turns_stale_then_recovers_from_a_new_one() -> No
 async def test_frozen_publisher_turns_stale_by_heartbeat_then_recovers() -> None:
     async with kv_pool(3, replay=True) as pool:
         victim = pool.pods[1]
-        others = [pool.publisher(p) for p in (pool.pods[0], pool.pods[2])]
-        for pod, p in zip((pool.pods[0], pool.pods[2]), others, strict=True):
-            await p.start()
-            await pool.joined(pod, p)
+        others = await start_others(pool, victim)
         proc = await setup(pool, victim)
         try:
             # The bound: a heartbeat every interval, the connection closed `timeout` after an unanswered one.
