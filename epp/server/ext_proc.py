@@ -168,6 +168,7 @@ class RequestStream:
             return self._response_body(msg.response_body)
         if which == "response_trailers":
             self._finish("complete")
+            self.done = True
             return (pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),)
         return ()
 
@@ -278,6 +279,7 @@ class RequestStream:
     # -- response path ------------------------------------------------------------------
     def _response_headers(self, headers: pb.HttpHeaders) -> Iterable[pb.ProcessingResponse]:
         h = header_map(headers)
+        self.done = self.done or headers.end_of_stream  # nothing follows: end the stream (see `Process`)
         if self.routed is not None:
             try:
                 status = int(h.get(":status", "200"))
@@ -307,6 +309,7 @@ class RequestStream:
             if body.end_of_stream:
                 status = routed.status or 200
                 self._finish("complete" if 200 <= status < 300 else "error")
+        self.done = self.done or body.end_of_stream  # no trailers follow a body's end: end the stream
         if self.response_mode == _DUPLEX:
             return (_echo(body.body, body.end_of_stream, True),)
         return (pb.ProcessingResponse(response_body=pb.BodyResponse()),)

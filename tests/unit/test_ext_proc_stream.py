@@ -379,3 +379,28 @@ def test_a_repeated_tenant_header_is_refused() -> None:
     assert resp.immediate_response.status.code == 403
     assert b"TenantAmbiguous" in resp.immediate_response.body
     assert d.datastore.total_in_flight() == 0
+
+
+@pytest.mark.parametrize("last", ["body", "headers", "trailers"])
+def test_the_stream_is_done_once_the_response_has_ended_and_not_before(last: str) -> None:
+    """The server ends the gRPC stream itself after the response's last message: waiting for Envoy to
+    reset it leaks native memory in grpcio's aio server (docs/operations.md, "Memory")."""
+    s = RequestStream(director(), 1 << 30)
+    s.on_message(headers())
+    s.on_message(body(BODY, True))
+    assert not s.done  # routed; the response is still to come
+    rh = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+    s.on_message(
+        pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=rh, end_of_stream=last == "headers"))
+    )
+    assert s.done is (last == "headers")
+    if last == "headers":
+        return
+    s.on_message(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=False)))
+    assert not s.done  # more body, or trailers, may follow
+    s.on_message(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=last == "body")))
+    assert s.done is (last == "body")
+    if last == "trailers":
+        s.on_message(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+        assert s.done
+    assert s.director.datastore.total_in_flight() == 0
