@@ -5,8 +5,11 @@
 # Not built by `make test`; tests/unit/test_deploy.py checks this file against the manifests.
 FROM python:3.11-slim
 
+# NUMBA_CACHE_DIR: the compiled index loops (docs/architecture.md) cache their machine code on a
+# writable path; the pod's root filesystem is read-only and /tmp is an emptyDir (deploy/base).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    NUMBA_CACHE_DIR=/tmp/numba-cache \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 

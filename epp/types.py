@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,12 +78,57 @@ class Endpoint:
     prefill_backlog: PrefillWork = NO_WORK
     decoding_requests: int = 0
     decoding_tokens: int = 0
+    # The numbers the cost model reads, packed once per view (`LOAD_COLUMNS`; see `_load_row`).
+    load_row: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "load_row", _load_row(self))
 
     def metrics_age(self, now: float) -> float:
         """Seconds since the last scrape; infinity if there never was one."""
         if self.metrics is None:
             return float("inf")
         return max(0.0, now - self.metrics.observed_at)
+
+
+LOAD_COLUMNS = (
+    "backlog_requests",
+    "backlog_tokens",
+    "backlog_pairs",
+    "waiting",
+    "running",
+    "decoding_requests",
+    "decoding_tokens",
+    "free_kv_tokens",
+    "engine_block_size",
+)
+_LOAD = struct.Struct(f"<{len(LOAD_COLUMNS)}d")
+
+
+def _load_row(e: Endpoint) -> bytes:
+    """`LOAD_COLUMNS` of an endpoint as float64 bytes: its prefill backlog, the scraped queues (0 without
+    metrics), what it is decoding, the free KV tokens the metrics imply (infinity when they do not say)
+    and the engine's block size (0: unknown). Views are built once per change and read by every
+    scheduling cycle, so the cost model joins these rows into one array instead of reading 64 objects."""
+    b, m = e.prefill_backlog, e.metrics
+    if m is None:
+        return _LOAD.pack(
+            b.requests, b.tokens, b.pairs, 0, 0, e.decoding_requests, e.decoding_tokens, float("inf"), 0
+        )
+    free = float("inf")
+    if m.num_gpu_blocks and m.block_size:
+        free = (1.0 - m.kv_usage) * m.num_gpu_blocks * m.block_size
+    return _LOAD.pack(
+        b.requests,
+        b.tokens,
+        b.pairs,
+        m.waiting,
+        m.running,
+        e.decoding_requests,
+        e.decoding_tokens,
+        free,
+        m.block_size or 0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

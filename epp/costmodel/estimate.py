@@ -19,20 +19,23 @@
 
 vLLM always computes at least the prompt's last token and hits whole blocks, so at most
 `floor((prompt_tokens - 1) / block_size) * block_size` tokens count as cached. The arithmetic
-runs on numpy arrays over the candidates (one pass of a few dozen vector operations instead of
-a Python loop per pod); `EstimateTable` keeps the arrays and builds a `TtftEstimate` only for
-the endpoints someone asks about.
+is one compiled loop over the candidates (`_estimate`, numba: `docs/architecture.md`, "Compiled
+loops"), reading each endpoint's numbers from its packed `load_row`; it gives the values the former
+vectorised numpy code gave (kept as the tests' reference). `EstimateTable` keeps the arrays and
+builds a `TtftEstimate` only for the endpoints someone asks about.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
-from epp.costmodel.profile import ModelProfile
-from epp.types import Endpoint, EndpointId, PrefillWork, TtftEstimate
+from epp.costmodel.profile import DEFAULT_REFERENCE, REFERENCE_PROFILES, ModelProfile
+from epp.types import LOAD_COLUMNS, Endpoint, EndpointId, PrefillWork, TtftEstimate
 
 F64 = npt.NDArray[np.float64]
 _INF = float("inf")
@@ -41,37 +44,6 @@ _INF = float("inf")
 def tier_order(profile: ModelProfile) -> list[str]:
     """Slower tiers from fastest to slowest reload (by bandwidth)."""
     return sorted(profile.tiers, key=lambda t: -profile.tiers[t].bandwidth_bytes_per_s)
-
-
-def _load(endpoint: Endpoint) -> tuple[float, ...]:
-    b = endpoint.prefill_backlog
-    m = endpoint.metrics
-    if m is None:
-        return (
-            b.requests,
-            b.tokens,
-            b.pairs,
-            0,
-            0,
-            endpoint.decoding_requests,
-            endpoint.decoding_tokens,
-            _INF,
-            0,
-        )
-    free = _INF
-    if m.num_gpu_blocks and m.block_size:
-        free = (1.0 - m.kv_usage) * m.num_gpu_blocks * m.block_size
-    return (
-        b.requests,
-        b.tokens,
-        b.pairs,
-        m.waiting,
-        m.running,
-        endpoint.decoding_requests,
-        endpoint.decoding_tokens,
-        free,
-        m.block_size or 0,
-    )
 
 
 class EstimateTable(Mapping[EndpointId, TtftEstimate]):
@@ -163,79 +135,116 @@ def estimate_all(
     p = profile
     k = len(endpoints)
     n = max(prompt_tokens, 1)
-    load = np.array([_load(e) for e in endpoints], dtype=np.float64).reshape(k, 9)
-    own_req, own_tok, own_pairs, waiting, running, decoding, dec_tokens, free, engine_bs = load.T
-    kp = prefill_scale
-    fixed, per_tok, per_pair = p.prefill_fixed_s, p.prefill_per_token_s, p.prefill_per_pair_s
-
-    def prefill(cached: F64) -> F64:
-        u = n - cached
-        return kp * (fixed + per_tok * u + per_pair * u * (cached + u / 2.0))
-
-    zeros = np.zeros(k)
-    held = {t: v for t, v in (held_tokens or {}).items() if v.any()}
-    if not held:  # no cache credit anywhere (the load-only case): one prefill for every pod
-        best_cached = gpu_cached = best_reload = zeros
-        best_prefill = np.full(k, kp * (fixed + per_tok * n + per_pair * n * n / 2.0))
-    else:
-        bs = np.where(engine_bs > 0, engine_bs, float(max(block_size, 1)))
-        cap = np.floor((n - 1) / bs) * bs
-        gpu = held.get("gpu")
-        cached = zeros.copy() if gpu is None else np.floor(np.minimum(gpu, cap) / bs) * bs
-        gpu_cached = cached.copy()
-        best_prefill = prefill(cached)
-        best_total = best_prefill.copy()
-        best_cached, best_reload = cached.copy(), zeros.copy()
-        reload_total = zeros.copy()
-        for tier in order if order is not None else tier_order(p):
-            t = held.get(tier)
-            if t is None:
-                continue
-            cost = p.tiers[tier]
-            take = np.floor(np.minimum(cached + t, cap) / bs) * bs - cached
-            reload_total = reload_total + np.where(
-                take > 0, cost.latency_s + take * (p.kv_bytes_per_token / cost.bandwidth_bytes_per_s), 0.0
-            )
-            cached = cached + take
-            pre = prefill(cached)
-            total = pre + reload_total
-            better = total < best_total
-            if better.any():
-                best_total = np.where(better, total, best_total)
-                best_prefill = np.where(better, pre, best_prefill)
-                best_cached = np.where(better, cached, best_cached)
-                best_reload = np.where(better, reload_total, best_reload)
-    uncached = n - best_cached
-
-    unk = float(p.unknown_request_tokens)
-    unknown_waiting = np.maximum(waiting - own_req, 0.0)
-    # The engine's `running` also counts this EPP's own requests that are past waiting but still in
-    # prefill (they are in the backlog, not decoding): those are not unknown load.
-    unknown_running = np.maximum(running - decoding - np.maximum(own_req - waiting, 0.0), 0.0)
-    queue_nominal = fixed * own_req + per_tok * own_tok + per_pair * own_pairs
-    queue_nominal = queue_nominal + unknown_waiting * (fixed + per_tok * unk + per_pair * unk * unk / 2.0)
-    seqs = decoding + unknown_running
-    context = dec_tokens + unknown_running * unk
-    short = uncached + own_tok > free
-    if short.any():
-        step = p.decode_fixed_s + p.decode_per_sequence_s * seqs + p.decode_per_context_token_s * context
-        queue_nominal = queue_nominal + np.where(short, p.kv_wait_steps * step, 0.0)
-    steps = np.maximum(np.ceil((own_tok + unknown_waiting * unk + uncached) / p.max_batched_tokens), 1.0)
-    decode = steps * (p.decode_per_sequence_s * seqs + p.decode_per_context_token_s * context)
-    return EstimateTable(
-        [e.id for e in endpoints],
-        n,
-        (
-            queue_nominal * queue_scale,
-            best_prefill,
-            best_reload,
-            decode,
-            best_cached,
-            best_cached - np.minimum(gpu_cached, best_cached),
-            queue_nominal,
-            best_prefill / kp if kp else best_prefill,
-        ),
+    load = np.frombuffer(b"".join([e.load_row for e in endpoints]), dtype=np.float64).reshape(
+        k, len(LOAD_COLUMNS)
     )
+    held = {t: v for t, v in (held_tokens or {}).items() if v.any()}
+    tiers = [t for t in (order if order is not None else tier_order(p)) if t in held]
+    rows = np.zeros((len(tiers) + 1, k), dtype=np.float64)
+    if "gpu" in held:
+        rows[0] = held["gpu"]
+    for i, t in enumerate(tiers):
+        rows[i + 1] = held[t]
+    costs = [p.tiers[t] for t in tiers]
+    out = np.empty((8, k), dtype=np.float64)
+    _estimate(
+        load,
+        rows,
+        np.array([c.latency_s for c in costs], dtype=np.float64),
+        np.array([p.kv_bytes_per_token / c.bandwidth_bytes_per_s for c in costs], dtype=np.float64),
+        bool(held),
+        "gpu" in held,
+        float(n),
+        float(max(block_size, 1)),
+        np.array(
+            [
+                prefill_scale,
+                queue_scale,
+                p.prefill_fixed_s,
+                p.prefill_per_token_s,
+                p.prefill_per_pair_s,
+                float(p.unknown_request_tokens),
+                p.kv_wait_steps,
+                p.decode_fixed_s,
+                p.decode_per_sequence_s,
+                p.decode_per_context_token_s,
+                p.max_batched_tokens,
+            ],
+            dtype=np.float64,
+        ),
+        out,
+    )
+    return EstimateTable([e.id for e in endpoints], n, tuple(out))  # type: ignore[arg-type]
+
+
+@numba.njit(cache=True, nogil=True)
+def _estimate(
+    load: Any,
+    rows: Any,
+    latency: Any,
+    per_token: Any,
+    any_held: bool,
+    gpu_held: bool,
+    n: float,
+    default_bs: float,
+    c: Any,
+    out: Any,
+) -> None:  # pragma: no cover - compiled
+    """The terms of the module docstring for endpoint i in out[:, i]: queue, prefill, reload, decode,
+    cached, reloaded tokens, queue nominal, prefill nominal. `rows`: held tokens per endpoint, GPU
+    first, then the slower tiers in reload order; `c`: the profile's coefficients (see the caller).
+    Scalar code per endpoint, written so that every value is the one the former vectorised numpy
+    arithmetic gave (same operations in the same order)."""
+    kp, kq, fixed, per_tok, per_pair, unk, kv_wait_steps, d_fixed, d_seq, d_ctx, max_batched = (
+        c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10]
+    )  # fmt: skip
+    for i in range(load.shape[0]):
+        own_req, own_tok, own_pairs = load[i, 0], load[i, 1], load[i, 2]
+        waiting, running, decoding, dec_tokens = load[i, 3], load[i, 4], load[i, 5], load[i, 6]
+        free, engine_bs = load[i, 7], load[i, 8]
+        if not any_held:  # no cache credit anywhere (the load-only case): one prefill for every pod
+            best_cached = gpu_cached = best_reload = 0.0
+            best_prefill = kp * (fixed + per_tok * n + per_pair * n * n / 2.0)
+        else:
+            bs = engine_bs if engine_bs > 0 else default_bs
+            cap = np.floor((n - 1) / bs) * bs
+            cached = np.floor(min(rows[0, i], cap) / bs) * bs if gpu_held else 0.0
+            gpu_cached = cached
+            u = n - cached
+            best_prefill = kp * (fixed + per_tok * u + per_pair * u * (cached + u / 2.0))
+            best_total = best_prefill
+            best_cached, best_reload = cached, 0.0
+            reload_total = 0.0
+            for t in range(latency.shape[0]):
+                take = np.floor(min(cached + rows[t + 1, i], cap) / bs) * bs - cached
+                reload_total = reload_total + (latency[t] + take * per_token[t] if take > 0 else 0.0)
+                cached = cached + take
+                u = n - cached
+                pre = kp * (fixed + per_tok * u + per_pair * u * (cached + u / 2.0))
+                total = pre + reload_total
+                if total < best_total:
+                    best_total, best_prefill, best_cached, best_reload = total, pre, cached, reload_total
+        uncached = n - best_cached
+        unknown_waiting = max(waiting - own_req, 0.0)
+        # The engine's `running` also counts this EPP's own requests that are past waiting but still in
+        # prefill (they are in the backlog, not decoding): those are not unknown load.
+        unknown_running = max(running - decoding - max(own_req - waiting, 0.0), 0.0)
+        queue_nominal = fixed * own_req + per_tok * own_tok + per_pair * own_pairs
+        queue_nominal = queue_nominal + unknown_waiting * (fixed + per_tok * unk + per_pair * unk * unk / 2.0)
+        seqs = decoding + unknown_running
+        context = dec_tokens + unknown_running * unk
+        if uncached + own_tok > free:
+            step = d_fixed + d_seq * seqs + d_ctx * context
+            queue_nominal = queue_nominal + kv_wait_steps * step
+        steps = max(np.ceil((own_tok + unknown_waiting * unk + uncached) / max_batched), 1.0)
+        out[0, i] = queue_nominal * kq
+        out[1, i] = best_prefill
+        out[2, i] = best_reload
+        out[3, i] = steps * (d_seq * seqs + d_ctx * context)
+        out[4, i] = best_cached
+        out[5, i] = best_cached - min(gpu_cached, best_cached)
+        out[6, i] = queue_nominal
+        out[7, i] = best_prefill / kp if kp else best_prefill
 
 
 def estimate_ttft(
@@ -254,3 +263,8 @@ def estimate_ttft(
         profile, [endpoint], prompt_tokens, held, prefill_scale, queue_scale, order, block_size
     )
     return table.row(0)
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) `_estimate`, so that no request pays for it."""
+    estimate_all(REFERENCE_PROFILES[DEFAULT_REFERENCE], [Endpoint("warm-up:0")], 100, {"gpu": np.ones(1)})

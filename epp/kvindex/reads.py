@@ -7,12 +7,12 @@ events first, so every read sees the effects of all the calls before it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.holdings import CHUNK_BITS, Holdings
+from epp.kvindex.prefix_walk import place_runs, walk_runs
 
 
 class IndexReads:
@@ -30,26 +30,28 @@ class IndexReads:
     ) -> dict[str, dict[str, int]]:
         """For each pod: for each tier on which the pod holds a consecutive prefix of the prompt's blocks
         (from block 0), its length; plus "any": the consecutive prefix held on any tier (a block may sit on
-        one tier, the next on another). Pods the index does not know map to {}. One pass: one batched
-        probe per (key, 32-pod chunk), then running ANDs of the pod bit masks."""
+        one tier, the next on another). Pods the index does not know map to {}. One compiled walk
+        (`prefix_walk`) per 32-pod chunk, as far as the longest prefix any of its pods holds."""
         out: dict[str, dict[str, int]] = {name: {} for name in pods}
-        held = self._held(keys, pods)
-        if held is None:
+        known = self._known(pods)
+        if not known:
             return out
-        known, tiers, chunk_at, masks = held
-        runs = np.empty((len(tiers) + 1, *masks.shape[1:]), dtype=np.uint32)
-        runs[:-1] = masks
-        np.bitwise_or.reduce(masks, axis=0, out=runs[-1])
-        lengths = prefix_runs(runs).tolist()  # [tier][chunk][pod bit]: leading run of blocks held
+        pids = [pid for _, pid in known]
+        tiers = np.flatnonzero(self._h.counts[pids].any(axis=0)).tolist()
+        chunks = sorted({p >> CHUNK_BITS for p in pids})
+        rows = [1 << i for i in range(len(tiers))] + [(1 << len(tiers)) - 1]  # each tier, then any tier
+        cols = [self._h.blocks.cols[f"m{t}"] for t in tiers]
+        lengths = walk_runs(self._h.blocks, cols, rows, np.asarray(keys, dtype=np.uint64), chunks).tolist()
+        chunk_at = {c: i for i, c in enumerate(chunks)}
         names = [self._tier_names[t] for t in tiers]
-        for name, pid in known:
+        for i, pid in known:
             ci, q = chunk_at[pid >> CHUNK_BITS], pid & 31
             res = {"any": lengths[-1][ci][q]}
             for ti, tname in enumerate(names):
                 length = lengths[ti][ci][q]
                 if length:
                     res[tname] = length
-            out[name] = res
+            out[pods[i]] = res
         return out
 
     def lookup_weighted(
@@ -97,59 +99,46 @@ class IndexReads:
         keys: npt.NDArray[np.uint64] | Sequence[int],
         pods: Sequence[str],
         order: Sequence[str],
-        window: int = 256,
     ) -> npt.NDArray[np.int64]:
         """(len(order), len(pods)) block counts: row k holds, for each pod, the consecutive prefix of the
         prompt's blocks (from block 0) held on the tiers `order[:k + 1]` taken together. With `order`
         fastest first this is how an engine uses its tiers: the GPU prefix (row 0), then the prefix it
         can complete from the next tier, and so on. Tiers not in `order` count for nothing; pods the
-        index does not know get 0. The first `window` keys are probed for every 32-pod chunk, the rest
-        only for chunks where some pod's prefix reaches the window's end."""
-        self._flush()
+        index does not know get 0. One compiled walk (`prefix_walk`) per 32-pod chunk, as far as the
+        longest prefix any of its pods holds."""
         out = np.zeros((len(order), len(pods)), dtype=np.int64)
-        n = len(keys)
+        known = self._known(pods)
+        if not known or len(keys) == 0:
+            return out
+        tiers = [(k, tid) for k, t in enumerate(order) if (tid := self._tier_ids.get(t)) is not None]
+        if not tiers:
+            return out
+        chunks = sorted({pid >> CHUNK_BITS for _, pid in known})
+        cols = [self._h.blocks.cols[f"m{tid}"] for _, tid in tiers]
+        rows = [(2 << r) - 1 for r in range(len(tiers))]  # row r: held on any of the first r + 1 tiers
+        lengths = walk_runs(self._h.blocks, cols, rows, np.asarray(keys, dtype=np.uint64), chunks)
+        row_of = {c: i for i, c in enumerate(chunks)}
+        where = [-1] * (2 * len(pods))  # each pod's chunk row, then each pod's bit; -1: unknown
+        for i, pid in known:
+            where[i], where[len(pods) + i] = row_of[pid >> CHUNK_BITS], pid & 31
+        first = np.array([k for k, _ in tiers], dtype=np.int64)
+        place_runs(lengths, first, np.array(where, dtype=np.int64).reshape(2, len(pods)), out)
+        return out
+
+    def _known(self, pods: Sequence[str]) -> list[tuple[int, int]]:
+        """(position in `pods`, pod id) of the pods the index holds anything for; applies the queued
+        events first."""
+        self._flush()
         units = self._h.units
         ids = self._pod_ids
-        cols = [(i, pid) for i, name in enumerate(pods) if (pid := ids.get(name)) is not None and units[pid]]
-        if not cols or n == 0:
-            return out
-        pids = np.array([p for _, p in cols], dtype=np.intp)
-        holds = cast(list[bool], self._h.counts[pids].any(axis=0).tolist())
-        present = [
-            (k, tid) for k, t in enumerate(order) if (tid := self._tier_ids.get(t)) is not None and holds[tid]
-        ]
-        if not present:
-            return out
-        tids = [tid for _, tid in present]
-        chunks = sorted({p >> CHUNK_BITS for p in pids.tolist()})
-        arr = np.asarray(keys, dtype=np.uint64)
-        w = min(n, window)
-        masks = self._h.masks(arr[:w], chunks, tids)
-        if w < n:
-            alive = np.flatnonzero(np.bitwise_and.reduce(np.bitwise_or.reduce(masks, axis=0), axis=1))
-            full = np.zeros((len(tids), len(chunks), n), dtype=np.uint32)
-            full[:, :, :w] = masks
-            if alive.size:
-                full[:, alive, w:] = self._h.masks(arr[w:], [chunks[c] for c in alive.tolist()], tids)
-            masks = full
-        for k in range(1, len(tids)):  # row k: held on any of the first k + 1 tiers
-            np.bitwise_or(masks[k], masks[k - 1], out=masks[k])
-        lengths = prefix_runs(masks)  # (present tiers, chunks, 32)
-        row_of = {c: i for i, c in enumerate(chunks)}
-        at = np.array([i for i, _ in cols], dtype=np.intp)
-        per = lengths[:, [row_of[p >> CHUNK_BITS] for p in pids.tolist()], pids & 31]
-        for (k, _), row in zip(present, per, strict=True):
-            out[k:, at] = row  # a tier the pods hold nothing on continues the union before it
-        return out
+        return [(i, pid) for i, name in enumerate(pods) if (pid := ids.get(name)) is not None and units[pid]]
 
     def _held(
         self, keys: npt.NDArray[np.uint64] | Sequence[int], pods: Sequence[str]
     ) -> tuple[list[tuple[str, int]], list[int], dict[int, int], npt.NDArray[np.uint32]] | None:
         """The known pods, the tiers they hold anything on, chunk -> row, and the (tier, chunk, block)
         masks of which pods hold each block; None when no pod is known."""
-        self._flush()
-        units = self._h.units
-        known = [(name, pid) for name in pods if (pid := self._pod_ids.get(name)) is not None and units[pid]]
+        known = [(pods[i], pid) for i, pid in self._known(pods)]
         if not known:
             return None
         arr = np.asarray(keys, dtype=np.uint64)
@@ -173,50 +162,6 @@ class IndexReads:
         self._flush()
         units = self._h.units
         return sorted(n for pid, n in enumerate(self._pod_names) if n is not None and units[pid] > 0)
-
-
-_DENSE = 256  # more mask changes than this per row: the vectorised running AND is cheaper
-
-
-def prefix_runs(masks: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
-    """(..., n) uint32 masks -> (..., 32): for every bit, how many leading masks have it (the length of
-    its run from position 0). Walks only the positions where a row's mask changes (a prompt's masks
-    change where some pod's prefix ends: a few times, not n), so the cost is a comparison pass plus
-    a short loop; rows that change often fall back to a vectorised running AND."""
-    n = masks.shape[-1]
-    if n == 0 or masks.size == 0:
-        return np.zeros((*masks.shape[:-1], 32), dtype=np.int64)
-    flat = masks.reshape(-1, n)
-    changes = np.empty(flat.shape, dtype=bool)
-    changes[:, 0] = True
-    np.not_equal(flat[:, 1:], flat[:, :-1], out=changes[:, 1:])
-    rows, cols = np.nonzero(changes)
-    if len(rows) > _DENSE * len(flat):
-        run = np.bitwise_and.accumulate(flat, axis=1)
-        return _bit_counts(run).reshape(*masks.shape[:-1], 32)
-    out = [[0] * 32 for _ in range(len(flat))]
-    values, row_of, at = flat[rows, cols].tolist(), rows.tolist(), cols.tolist()
-    k, total = 0, len(row_of)
-    while k < total:
-        r, run = row_of[k], values[k]
-        lengths = out[r]
-        k += 1
-        while k < total and row_of[k] == r and run:
-            kept = run & values[k]
-            lost = run ^ kept
-            while lost:
-                low = lost & -lost
-                lengths[low.bit_length() - 1] = at[k]
-                lost ^= low
-            run = kept
-            k += 1
-        while k < total and row_of[k] == r:  # the run is over: the rest of the row cannot matter
-            k += 1
-        while run:
-            low = run & -run
-            lengths[low.bit_length() - 1] = n
-            run ^= low
-    return np.array(out, dtype=np.int64).reshape(*masks.shape[:-1], 32)
 
 
 def _bit_counts(masks: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:

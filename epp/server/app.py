@@ -16,11 +16,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp.clock import MonotonicClock
 from epp.config import EppConfig, StaticEndpoint, build_scheduler
+from epp.costmodel import estimate
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watcher import PoolWatcher
+from epp.kvindex import prefix_walk
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
@@ -222,6 +224,8 @@ class EppServer:
 
     async def _start(self) -> None:
         s = self.settings
+        prefix_walk.warm_up()  # compile (or load) the compiled loops before anything listens
+        estimate.warm_up()
         if self.discovery is not None:
             await self.discovery.start()  # bad credentials fail here, before anything listens
         creds = self._credentials()

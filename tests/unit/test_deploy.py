@@ -122,10 +122,14 @@ def test_dockerfile_matches_the_cli_and_the_manifests() -> None:
     copied = [src for ln in lines if ln.startswith("COPY ") for src in ln.split()[1:-1]]
     assert [src for src in copied if not (ROOT / src).exists()] == []
     uid = int(last["USER"].split(":")[0])
+    cache_dir = re.search(r"NUMBA_CACHE_DIR=(\S+)", last["ENV"]).group(1)  # type: ignore[union-attr]
     for s in (stack(t) for t in STACKS):
         assert s.epp.pod["securityContext"]["runAsNonRoot"] is True
         assert s.epp.pod["securityContext"]["runAsUser"] == uid
         assert {p["containerPort"] for p in s.epp.box["ports"]} == exposed
+        if s.epp.box["securityContext"].get("readOnlyRootFilesystem"):  # numba must write its cache
+            mounts = [m["mountPath"] for m in s.epp.box["volumeMounts"] if not m.get("readOnly")]
+            assert any(cache_dir.startswith(m.rstrip("/") + "/") for m in mounts), (cache_dir, mounts)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", "tests", ".git"} <= set(ignored) and not {"epp", "simulator"} & set(ignored)
 

@@ -1,4 +1,4 @@
-"""`BlockIndex.lookup_tier_runs` (what the TTFT estimate reads) and `prefix_runs` (leading runs of bits)."""
+"""`BlockIndex.lookup_tier_runs` (what the TTFT estimate reads) and the compiled walk under it."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epp.kvindex.holdings import CHUNK_BITS
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
-from epp.kvindex.reads import prefix_runs
+from epp.kvindex.prefix_walk import walk_runs
 
 BS = 16
 ROOT = root_key("model")
@@ -28,27 +29,6 @@ def naive_runs(masks: np.ndarray) -> np.ndarray:
                 n += 1
             out[r, bit] = n
     return out.reshape(*masks.shape[:-1], 32)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=60), min_size=1, max_size=4),
-    st.booleans(),
-)
-def test_prefix_runs_match_a_bit_by_bit_count(rows: list[list[int]], sparse: bool) -> None:
-    n = min(len(r) for r in rows)
-    masks = np.array([r[:n] for r in rows], dtype=np.uint32)
-    if sparse:  # masks as a prompt's are: a few prefix ends, not noise
-        masks = np.bitwise_and.accumulate(masks | np.uint32(0xFFFF0000), axis=1)
-    assert np.array_equal(prefix_runs(masks), naive_runs(masks))
-
-
-def test_prefix_runs_of_rows_that_change_everywhere_use_the_dense_path() -> None:
-    rng = np.random.default_rng(0)
-    masks = rng.integers(0, 2**32, size=(3, 2000), dtype=np.uint32) | np.uint32(1)  # bit 0: full run
-    got = prefix_runs(masks)
-    assert np.array_equal(got, naive_runs(masks))
-    assert (got[:, 0] == 2000).all()
 
 
 def chain_index(layout: dict[str, dict[str, set[int]]], fillers: int = 0) -> BlockIndex:
@@ -109,12 +89,26 @@ def test_runs_follow_the_engines_use_of_tiers() -> None:
         st.dictionaries(st.sampled_from(ORDER), st.sets(st.integers(0, N_BLOCKS - 1), max_size=N_BLOCKS)),
         max_size=6,
     ),
-    st.sampled_from([1, 4, 16, 256]),
+    st.lists(st.integers(1, 15), min_size=1, max_size=5),
 )
-def test_runs_match_a_per_block_model_across_chunks_and_windows(
-    layout: dict[str, dict[str, set[int]]], window: int
+def test_runs_match_a_per_block_model_across_chunks(
+    layout: dict[str, dict[str, set[int]]], rows: list[int]
 ) -> None:
     index = chain_index(layout, fillers=29)  # pod ids 29.. : the layout's pods straddle two chunks
     pods = [*sorted(layout), "10.9.9.9:80"]
-    got = index.lookup_tier_runs(KEYS, pods, ORDER, window=window)
+    got = index.lookup_tier_runs(KEYS, pods, ORDER)
     assert np.array_equal(got, expected(layout, pods))
+    # The walk under it, for any union of tiers per row, against the vectorised masks counted bit by bit.
+    h = index._h
+    tiers = list(range(len(index._tier_names)))
+    chunks = sorted({pid >> CHUNK_BITS for pid in index._pod_ids.values()})
+    masks = h.masks(np.asarray(KEYS, dtype=np.uint64), chunks, tiers)
+    unions = np.zeros((len(rows), *masks.shape[1:]), dtype=np.uint32)
+    for i, r in enumerate(rows):  # row i: the OR of the tiers whose bits r sets
+        for t in tiers:
+            if r >> t & 1:
+                unions[i] |= masks[t]
+    cols = [h.blocks.cols[f"m{t}"] for t in tiers]
+    assert np.array_equal(
+        walk_runs(h.blocks, cols, rows, np.asarray(KEYS, dtype=np.uint64), chunks), naive_runs(unions)
+    )
