@@ -57,11 +57,7 @@ def reference_estimate_all(
     order: Sequence[str] | None = None,
     block_size: int = 1,
 ) -> EstimateTable:
-    """Estimates for every endpoint. `held_tokens`: tier -> tokens each endpoint can take from that
-    tier (its GPU prefix of the prompt, then what each slower tier adds; arrays aligned with
-    `endpoints`); None or {} for no cache credit. Hits count in whole engine blocks (the endpoint's
-    `block_size` from its metrics, else `block_size`), at most `floor((n - 1) / block) * block`
-    tokens: vLLM always computes at least the prompt's last token."""
+    """`estimate_all` as numpy arithmetic over the candidates (same arguments, same table)."""
     p = profile
     k = len(endpoints)
     n = max(prompt_tokens, 1)
