@@ -9,6 +9,7 @@ in-flight accounting is released at the end, on error, or when the stream goes a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable
@@ -34,6 +35,9 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 MAX_CHUNK = 62_000
+# After the response's last answer: how long to wait for Envoy to reset the stream before ending it
+# with an OK status (`ExtProcService.Process`).
+END_GRACE_S = 0.25
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 _DUPLEX = 4  # ProcessingMode.FULL_DUPLEX_STREAMED
@@ -343,6 +347,12 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 for resp in stream.on_message(msg):
                     yield resp
                 if stream.done:
+                    # Envoy resets the stream once it has the last answer. The reset must find no gRPC
+                    # batch of ours in flight: grpcio's aio server leaks the native ops of a read
+                    # cancelled by it, and of a status sent into it (docs/operations.md, "Memory").
+                    # So wait here, reading nothing, to be cancelled; a client that does not reset
+                    # gets its OK status after END_GRACE_S.
+                    await asyncio.sleep(END_GRACE_S)
                     return
         finally:
             stream.close()

@@ -237,9 +237,9 @@ def test_the_usage_reader_takes_any_response_bytes(sse: bool, chunks: list[bytes
 def test_the_server_ends_the_stream_after_the_response_without_waiting_for_the_client(
     epp: ServerThread, end: str
 ) -> None:
-    """Envoy resets an ext_proc stream the server leaves open, and a reset while a read is pending leaks
-    native memory in grpcio's aio server (docs/operations.md, "Memory"): so the EPP ends the stream
-    with OK as soon as the response's last message is answered. The client here never half-closes."""
+    """After the response's last answer the EPP reads no more (a read pending when Envoy resets the
+    stream leaks native memory in grpcio's aio server: docs/operations.md, "Memory") and, when no reset
+    comes, ends the call itself with OK. The client here neither resets nor half-closes."""
     hold = threading.Event()
 
     def messages() -> Iterator[pb.ProcessingRequest]:

@@ -383,8 +383,8 @@ def test_a_repeated_tenant_header_is_refused() -> None:
 
 @pytest.mark.parametrize("last", ["body", "headers", "trailers"])
 def test_the_stream_is_done_once_the_response_has_ended_and_not_before(last: str) -> None:
-    """The server ends the gRPC stream itself after the response's last message: waiting for Envoy to
-    reset it leaks native memory in grpcio's aio server (docs/operations.md, "Memory")."""
+    """After the response's last message the server reads no more of the stream (a read pending when
+    Envoy resets it leaks native memory in grpcio's aio server: docs/operations.md, "Memory")."""
     s = RequestStream(director(), 1 << 30)
     s.on_message(headers())
     s.on_message(body(BODY, True))
