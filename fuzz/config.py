@@ -9,7 +9,9 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["epp"]):
+from fuzz import COMPILED
+
+with atheris.instrument_imports(include=["epp"], exclude=COMPILED):
     from epp.config import build_scheduler, parse_config
     from epp.config_sections import ConfigError
     from epp.costmodel.service import SERVICE_KEY as COST_KEY

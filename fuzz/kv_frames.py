@@ -8,7 +8,9 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["epp", "fuzz"]):
+from fuzz import COMPILED
+
+with atheris.instrument_imports(include=["epp", "fuzz"], exclude=COMPILED):
     from epp.clock import MonotonicClock
     from epp.config import KvEventsConfig
     from epp.datastore import Datastore

@@ -9,7 +9,9 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["epp"]):
+from fuzz import COMPILED
+
+with atheris.instrument_imports(include=["epp"], exclude=COMPILED):
     from epp.sources.metrics_text import MetricsParseError, parse_metrics
 
 

@@ -10,7 +10,9 @@ import tempfile
 
 import atheris
 
-with atheris.instrument_imports(include=["epp"]):
+from fuzz import COMPILED
+
+with atheris.instrument_imports(include=["epp"], exclude=COMPILED):
     from epp.config import build_scheduler, default_config
     from epp.costmodel.service import SERVICE_KEY as COST_KEY
     from epp.costmodel.service import CostModel
