@@ -38,7 +38,6 @@ from epp.costmodel.profile import DEFAULT_REFERENCE, REFERENCE_PROFILES, ModelPr
 from epp.types import LOAD_COLUMNS, Endpoint, EndpointId, PrefillWork, TtftEstimate
 
 F64 = npt.NDArray[np.float64]
-_INF = float("inf")
 
 
 def tier_order(profile: ModelProfile) -> list[str]:
