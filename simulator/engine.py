@@ -36,6 +36,13 @@ Decode bookkeeping is per event, not per token: a decoding request is looked at 
 where it starts or fills a block and at its last step (`_wake_start`, `_wake_end`), so a step costs
 Python work for the requests that change state in it, not for the whole batch.
 
+Spans: consecutive decode-only steps in which no request wakes (nothing waits, nothing prefills, no
+event is pending) change nothing but the step counter and the context length, so they run as one
+kernel event: the engine computes each step's end time as the kernel would (one after the other,
+`t + step_seconds(...)`) and schedules only the last one. Every observation gives the same answer
+mid-span (metrics, probes, `steps_ended`). A request submitted mid-span cuts the span at the end of
+the step in progress, where the step-by-step engine would have seen it.
+
 Outputs: KV events (`events.py`) at the end of each step that produced any; `metrics()` as the
 EPP's scraper would read vLLM's `/metrics`; per-request `RequestRecord`s and the callbacks
 `on_first_token(record, t)` and `on_finish(record, t)`.
@@ -43,6 +50,8 @@ EPP's scraper would read vLLM's `/metrics`; per-request `RequestRecord`s and the
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass
 
@@ -50,7 +59,7 @@ import numpy as np
 
 from epp.types import MetricsSnapshot
 from simulator.events import EventSink, OnEvents
-from simulator.kernel import Kernel
+from simulator.kernel import Handle, Kernel
 from simulator.kvcache import DECODE, DONE, PREFILL, WAITING, KvCacheManager, ReqState
 from simulator.latency import DEFAULT_PROFILE, LatencyProfile, latency_profile
 from simulator.records import (
@@ -108,8 +117,11 @@ class Engine:
         on_events: OnEvents | None = None,
         on_first_token: RequestCallback | None = None,
         on_finish: RequestCallback | None = None,
+        spans: bool = True,
     ) -> None:
+        """`spans=False` runs every step as its own kernel event (the same results, slower; a check)."""
         self.kernel = kernel
+        self._spans = spans
         self.config = cfg = config or EngineConfig()
         self.latency = latency_profile(latency) if isinstance(latency, str) else latency
         if cfg.cpu_blocks and self.latency.cpu_bandwidth_bytes_per_s is None:
@@ -130,6 +142,8 @@ class Engine:
         self._n_dec = 0  # decoding requests
         self._ctx = 0  # their KV tokens, at the start of the current step
         self._step = 0
+        self._bounds: list[int] = []  # heap: the last step a span may reach, per pending wake (lazy)
+        self._span: tuple[int, list[float], int, Handle] | None = None  # (first step, ends, ctx, event)
         self._order = 0
         self._busy = False
         self._preempted = False
@@ -161,6 +175,8 @@ class Engine:
         tokens = np.concatenate((prompt, output_tokens(request, m - 1))) if m > 1 else prompt
         rec = RequestRecord(request, n, self.kernel.now())
         self.waiting.append(self.kv.new_request(rec, tokens))
+        if self._span is not None:
+            self._cut_span()
         if not self._busy:
             self._busy = True
             self.kernel.schedule(0.0, self._start_step)
@@ -175,18 +191,55 @@ class Engine:
             for r, epoch in wakes:
                 if r.epoch == epoch and r.phase == DECODE:
                     self._decode_wake(r, s)
+        bounds = self._bounds
+        while bounds and bounds[0] < s:
+            heapq.heappop(bounds)
         if self._prefilling or self.waiting:
             dt = self._schedule_prefills(s)
             if dt is None:
                 return
         elif self._n_dec:
             self._chunks = []
+            if bounds and self._spans and bounds[0] > s and (self.sink is None or not self.sink.events):
+                self._start_span(s, bounds[0])
+                return
             dt = self.latency.step_seconds(0, 0, 0.0, self._n_dec, self._ctx)
         else:
             self._busy = False
             return
         self.steps += 1
         self.kernel.schedule(dt, self._end_step)
+
+    def _start_span(self, s: int, last: int) -> None:
+        """Steps s..last, decode only, as one kernel event (see the module docstring)."""
+        n = self._n_dec
+        ends = self.latency.decode_step_ends(self.kernel.now(), last - s + 1, n, self._ctx)
+        self.steps += last - s + 1
+        self._span = (s, ends, self._ctx, self.kernel.at(ends[-1], self._end_step))
+        self._step = last
+        self._ctx += n * (last - s)  # at the start of the last step (its end adds n)
+
+    def _cut_span(self) -> None:
+        """Something changed mid-span: end the span with the step in progress now (the first one not
+        ended before now; one ending exactly now has not run its end yet, as in the kernel's order)."""
+        assert self._span is not None
+        s, ends, ctx0, handle = self._span
+        i = bisect_left(ends, self.kernel.now())
+        left = len(ends) - 1 - i
+        if left <= 0:
+            return
+        self.kernel.cancel(handle)
+        self.steps -= left
+        self._step = s + i
+        self._ctx = ctx0 + self._n_dec * i
+        self._span = (s, ends[: i + 1], ctx0, self.kernel.at(ends[i], self._end_step))
+
+    def steps_ended(self) -> int:
+        """Steps whose end has happened by now (one is in progress while the engine is busy)."""
+        if self._span is not None:
+            ends = self._span[1]
+            return self.steps - len(ends) + min(bisect_right(ends, self.kernel.now()), len(ends) - 1)
+        return self.steps - (1 if self._busy else 0)
 
     def _schedule_prefills(self, s: int) -> float | None:
         """Steps 2 and 3 of the module docstring; the step's time, or None when the step is empty."""
@@ -308,8 +361,10 @@ class Engine:
             s += bs - 1 - m
         if s <= r.s_fin:
             self._wake_start.setdefault(s, []).append((r, r.epoch))
+            heapq.heappush(self._bounds, s - 1)
 
     def _end_step(self) -> None:
+        self._span = None
         s = self._step
         self._step = s + 1
         now = self.kernel.now()
@@ -369,6 +424,7 @@ class Engine:
             self._n_dec += 1
             self._ctx += r.computed
             self._wake_end.setdefault(r.s_fin, []).append((r, r.epoch))
+            heapq.heappush(self._bounds, r.s_fin)
             self._wake(r, r.s0)
         self._chunks = []
         if prefilled:

@@ -15,10 +15,10 @@ event the engine published while request `i` ran, one JSON object each, in vLLM'
 "medium"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}`) with `"i"` first.
 
 Parsing is the hot path for large inputs (2,000-token prompts): a line is decoded by msgspec into a
-typed struct with the token list kept raw; a list holding only digits, commas and whitespace (so
-non-negative JSON integers) is converted by numpy's C text parser straight to int64. Anything else
-(a sign, a fraction, a non-number, an id too large for int64) goes through the exact path, msgspec's
-`list[int]` decoding, which names what is wrong.
+typed struct with the token list kept raw; a list of non-negative integers is converted by a compiled
+pass straight to int64 (`token_text.parse_ids`). Anything else (a sign, a fraction, a non-number, an
+id too large for int64) goes through the exact path, msgspec's `list[int]` decoding, which names what
+is wrong.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import numpy.typing as npt
 from simulator.engine import Engine, EngineConfig
 from simulator.kernel import Kernel
 from simulator.records import SimRequest
+from simulator.token_text import IdReader
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
-_NOT_DIGITS = b"0123456789, \t\r\n"
 
 
 class EngineReplayError(ValueError):
@@ -111,15 +111,6 @@ def _tokens_exact(line: bytes, lineno: int) -> npt.NDArray[np.int64]:
     return np.array(ids, dtype=np.int64)
 
 
-def _tokens(raw: bytes, line: bytes, lineno: int) -> npt.NDArray[np.int64]:
-    inner = raw[1:-1]
-    if raw[:1] == b"[" and not inner.translate(None, _NOT_DIGITS):
-        arr = np.fromstring(inner, dtype=np.int64, sep=",")  # only digits, commas and spaces
-        if len(arr) == 0 or int(arr.max()) < _INT64_MAX:  # the text parser saturates at int64's max
-            return arr
-    return _tokens_exact(line, lineno)
-
-
 def parse_requests(data: bytes | str, num_blocks: int, block_size: int) -> list[ReplayRequest]:
     """Every request of a JSONL text, validated (EngineReplayError naming the first bad line)."""
     check_settings(num_blocks, block_size)
@@ -128,17 +119,27 @@ def parse_requests(data: bytes | str, num_blocks: int, block_size: int) -> list[
     room = (num_blocks - 1) * block_size  # tokens whose KV the engine can hold
     out: list[ReplayRequest] = []
     decode = _line_decoder.decode
-    for k, line in enumerate(data.split(b"\n")):
-        lineno = k + 1
-        if not line.strip():
-            continue
+    ids = IdReader()
+    text = memoryview(data)  # lines are slices of it, not copies
+    find = data.find
+    pos = lineno = 0
+    while pos < len(data):
+        end = find(b"\n", pos)
+        if end < 0:
+            end = len(data)
+        line, pos = text[pos:end], end + 1
+        lineno += 1
         try:
             obj = decode(line)
         except msgspec.ValidationError as err:
             raise EngineReplayError(lineno, str(err)) from None
         except msgspec.DecodeError as err:
+            if not bytes(line).strip():
+                continue  # a blank line
             raise EngineReplayError(lineno, f"not a JSON object: {err}") from None
-        prompt = _tokens(bytes(obj.prompt_token_ids), line, lineno)
+        prompt = ids.read(obj.prompt_token_ids)
+        if prompt is None:
+            prompt = _tokens_exact(bytes(line), lineno)
         n = len(prompt)
         if n == 0:
             raise EngineReplayError(lineno, "empty prompt: prompt_token_ids needs at least one token")

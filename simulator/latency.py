@@ -110,6 +110,19 @@ class LatencyProfile:
             + self.decode_per_context_token_s * decode_context_tokens
         )
 
+    def decode_step_ends(self, start: float, steps: int, seqs: int, context: int) -> list[float]:
+        """End times of `steps` decode-only steps of `seqs` sequences from `start`, the context growing by
+        `seqs` tokens per step: the same floats as adding `step_seconds(0, 0, 0.0, seqs, context)` step
+        by step (its prefill terms add exact zeros)."""
+        base = self.decode_fixed_s + self.decode_per_sequence_s * seqs
+        per_ctx = self.decode_per_context_token_s
+        ends: list[float] = []
+        t = start
+        for k in range(steps):
+            t = t + (base + per_ctx * (context + k * seqs))
+            ends.append(t)
+        return ends
+
     def reload_seconds(self, tokens: int) -> float:
         """Bringing `tokens` tokens of KV back from the CPU tier: latency + bytes / bandwidth."""
         if tokens <= 0:

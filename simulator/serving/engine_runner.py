@@ -95,8 +95,7 @@ class EngineRunner:
 
     def steps_ended(self) -> int:
         """Engine steps completed so far (one is in progress while the engine is busy)."""
-        engine = self.engine
-        return engine.steps - (0 if engine.idle else 1)
+        return self.engine.steps_ended()
 
     def advance(self) -> None:
         """Bring the engine to the wall clock's now (before reading its state)."""

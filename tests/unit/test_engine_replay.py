@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from simulator.cli import main
 from simulator.engine_replay import EngineReplayError, _tokens_exact, engine_replay, parse_requests
+from simulator.token_text import IdReader
 
 
 def write_requests(tmp_path: pathlib.Path, rows: list[Any]) -> pathlib.Path:
@@ -158,6 +159,33 @@ def test_fast_token_parsing_equals_the_exact_path(ids: list[int], sep: str) -> N
     (r,) = parse_requests(line, 2**40, 1)
     exact = _tokens_exact(line.encode(), 1)
     assert r.prompt.dtype == np.int64 and r.prompt.tolist() == exact.tolist() == ids
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2**63 - 1), max_size=40), min_size=1, max_size=30), st.integers(1, 64)
+)
+def test_the_id_reader_hands_out_distinct_read_only_views_across_arenas(
+    lists: list[list[int]], arena_ids: int
+) -> None:
+    reader = IdReader(arena_ids)  # small arenas: lists land in many of them
+    got = [reader.read(json.dumps(ids).encode()) for ids in lists]
+    assert [g.tolist() if g is not None else None for g in got] == lists
+    assert all(g is not None and not g.flags.writeable for g in got)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"[1 2]", b"[1,,2]", b"[,1]", b"[1,]", b"[-1]", b"[1.0]", b"[1e3]", b'["1"]', b"[[1]]", b"1", b""],
+)
+def test_the_id_reader_refuses_all_but_lists_of_non_negative_integers_and_keeps_its_room(text: bytes) -> None:
+    reader = IdReader(8)
+    assert reader.read(text) is None
+    first = reader.read(b"[7, 8]")
+    assert first is not None and first.tolist() == [7, 8]
+    assert reader.read(b"[9223372036854775807]").tolist() == [2**63 - 1]  # type: ignore[union-attr]
+    assert reader.read(b"[9223372036854775808]") is None  # beyond int64: the exact path says so
+    assert first.tolist() == [7, 8]
 
 
 BAD = [
