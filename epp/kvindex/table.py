@@ -26,7 +26,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import probe
+from epp.kvindex import cuckoo, probe
 from epp.kvindex.keys import MASK64, fmix_array
 from epp.kvindex.probe import _LOW32, _TAG_MUL, _U32, _U_TAG_MUL, BUCKET, Array, Bools, Index
 
@@ -129,7 +129,15 @@ class HashTable:
     # -- lookup --------------------------------------------------------------------------
     def find(self, keys: npt.NDArray[np.uint64], tags: Array) -> Index:
         """Slot of each (key, tag), -1 where absent."""
-        return self._find(keys, tags)[0]
+        out = np.empty(len(keys), dtype=np.intp)
+        if len(keys):
+            keys, tags = self._typed(keys, tags)
+            cuckoo.find_run(self.keys, self.tags, self.count, self.nb, keys, tags, out)
+        return out
+
+    def _typed(self, keys: npt.NDArray[np.uint64], tags: Array) -> tuple[npt.NDArray[np.uint64], Array]:
+        """Keys and tags in the table's dtypes (the compiled loops are typed by them)."""
+        return keys.astype(np.uint64, copy=False), np.asarray(tags).astype(self.tag_dtype, copy=False)
 
     def _find(self, keys: npt.NDArray[np.uint64], tags: Array) -> tuple[Index, Index, Index]:
         """Slots (-1 where absent) and the two buckets of each item."""
@@ -175,34 +183,62 @@ class HashTable:
     ) -> tuple[Index, npt.NDArray[np.bool_]]:
         """Slot of every (key, tag), inserting the absent ones with their column values (an item present
         several times in the batch is inserted once, with the values of its first occurrence). Returns
-        the slots and which items were inserted (one per distinct new item)."""
-        n = len(keys)
-        new = np.zeros(n, dtype=bool)
-        slots, b1, b2 = self._find(keys, tags)
-        miss = np.flatnonzero(slots < 0)
-        if miss.size:
-            slot_of, placed, moved = self._insert(
-                miss, keys, tags, values, dedupe=True, pairs=(b1[miss], b2[miss])
-            )
-            new[placed] = True
-            if moved:
-                return self.find(keys, tags), new
-            slots[placed] = slot_of[placed]
-            copies = np.flatnonzero(slots < 0)
-            if copies.size:
-                slots[copies] = self.find(keys[copies], tags[copies])
+        the slots and which items were inserted (one per distinct new item).
+
+        Items are placed in order by the compiled loop (`cuckoo.upsert_run`); one whose two buckets are
+        both full goes through `_insert` (relocation, the cuckoo walk, growth), and the table grows, as
+        `_insert` would, when the absent items left would take it past its load limit."""
+        slots, new, _ = self._upsert(keys, tags, values)
         return slots, new
+
+    def _upsert(
+        self, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]
+    ) -> tuple[Index, npt.NDArray[np.bool_], bool]:
+        """`upsert`, and whether items already in the table moved."""
+        n = len(keys)
+        slots = np.full(n, -1, dtype=np.intp)
+        new = np.zeros(n, dtype=bool)
+        if n == 0:
+            return slots, new, False
+        keys, tags = self._typed(keys, tags)
+        moved = False
+        i = 0
+        while True:
+            load = self.roomy_load if self.size + 1 < self.roomy_until else self.max_load
+            room = int(load * self.capacity) - self.size
+            j, code = cuckoo.upsert_run(
+                self.keys, self.tags, self.count, self.nb, keys, tags, i, room, slots, new
+            )
+            placed = i + np.flatnonzero(new[i:j])
+            if placed.size:
+                self.size += len(placed)
+                self._write(slots[placed], keys[placed], tags[placed], values, placed)
+            if code == cuckoo.DONE:
+                break
+            if code == cuckoo.NO_ROOM:  # grow for every absent item left, as `_insert` does for a batch
+                absent = int(np.count_nonzero(self.find(keys[j:], tags[j:]) < 0))
+                self._grow(self.size + absent)
+                moved = True
+            else:  # both buckets full: relocation or the cuckoo walk (either may move other items)
+                slot_of, _, relocated = self._insert(np.array([j]), keys, tags, values, dedupe=True)
+                new[j] = True
+                slots[j] = slot_of[j]
+                moved |= relocated
+                j += 1
+            i = j
+        if moved:
+            slots = self.find(keys, tags)
+        return slots, new, moved
 
     def insert(
         self, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]
     ) -> tuple[Index, bool]:
         """Insert new, distinct (key, tag) items with their column values. Returns their slots, and
         whether items already in the table moved (then earlier slot numbers are stale)."""
-        n = len(keys)
-        if n == 0:
+        if len(keys) == 0:
             return np.zeros(0, dtype=np.intp), False
-        slot_of, _, moved = self._insert(np.arange(n), keys, tags, values, dedupe=False)
-        return (self.find(keys, tags) if moved else slot_of), moved
+        slots, _, moved = self._upsert(keys, tags, values)
+        return slots, moved
 
     def _insert(
         self,

@@ -1304,3 +1304,36 @@ def test_roomy_tables_double_and_keep_every_item() -> None:
     assert (table.cols["v"][found] == keys).all() and (table.cols["w"][found] == 9).all()
     occ = table.occupied()
     assert len(occ) == table.size == len(keys)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2)), max_size=60), min_size=1, max_size=8),
+    st.sampled_from([0.5, 0.92, 1.0]),
+)
+def test_upsert_with_repeats_full_buckets_and_growth_against_a_dict(
+    batches: list[list[tuple[int, int]]], max_load: float
+) -> None:
+    """The compiled upsert: items repeated within a batch are inserted once with their first values, an
+    item whose buckets are both full or a table at its load limit is settled by relocation or growth."""
+    table = HashTable(np.uint16, {"v": (np.uint64, 7)}, buckets=2, max_load=max_load, growth=1.3)
+    ref: dict[tuple[int, int], int] = {}
+    for n, batch in enumerate(batches):
+        keys = np.array([k * 0x9E3779B97F4A7C15 % 2**64 for k, _ in batch], dtype=np.uint64)
+        tags = np.array([t for _, t in batch], dtype=np.uint16)
+        vals = np.arange(len(batch), dtype=np.uint64) + 1000 * n
+        slots, new = table.upsert(keys, tags, {"v": vals})
+        first: dict[tuple[int, int], int] = {}
+        for i, item in enumerate(zip(keys.tolist(), tags.tolist(), strict=True)):
+            first.setdefault(item, i)
+            assert new[i] == (item not in ref and first[item] == i)
+        for item, i in first.items():
+            ref.setdefault(item, int(vals[i]))
+        assert table.size == len(ref) <= max_load * table.capacity
+        assert table.cols["v"][slots].tolist() == [
+            ref[it] for it in zip(keys.tolist(), tags.tolist(), strict=True)
+        ]
+    ks = np.array([k for k, _ in ref], dtype=np.uint64)
+    ts = np.array([t for _, t in ref], dtype=np.uint16)
+    found = table.find(ks, ts)
+    assert len(set(found.tolist())) == len(ref) and (found >= 0).all()

@@ -1,0 +1,117 @@
+"""The hash table's write and point-probe loops, compiled: `HashTable.upsert` / `insert` / `find`. Pure.
+
+`upsert_run` takes items in order: a present one gets its slot; an absent one goes into the emptier of
+its two buckets (the first on a tie), as `HashTable._insert` places an item, and a later copy of it in
+the same batch then finds it. It stops, for the caller to settle in Python, at an item whose buckets
+are both full (the cuckoo walk and growth stay in `table.py`) and when the table reaches its load limit
+(`room` inserts left). `find_run` is the plain probe of both buckets. The hashing is
+`table.HashTable._pair`'s (`keys.fmix` of key ^ tag * constant), as in `prefix_walk._walk`.
+
+Compiled with numba (`docs/architecture.md`, "Compiled loops"): batches here are often small (a few
+events per flush in the simulator), where the vectorised insert's ~40 numpy calls cost more than the
+work; as a loop an item costs one or two cache misses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numba
+import numpy as np
+
+BUCKET: Final = 8  # probe.BUCKET (a literal here: numba reads module globals as constants)
+DONE: Final = 0
+BOTH_FULL: Final = 1
+NO_ROOM: Final = 2
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _pair(key: Any, tag: Any, nb: int) -> tuple[Any, Any]:  # pragma: no cover - compiled
+    x = key ^ (numba.uint64(tag) * numba.uint64(0xD6E8FEB86659FD93))
+    x ^= x >> numba.uint64(33)
+    x *= numba.uint64(0xFF51AFD7ED558CCD)
+    x ^= x >> numba.uint64(33)
+    x *= numba.uint64(0xC4CEB9FE1A85EC53)
+    x ^= x >> numba.uint64(33)
+    unb = numba.uint64(nb)
+    b1 = np.int64(((x >> numba.uint64(32)) * unb) >> numba.uint64(32))
+    b2 = np.int64(((x & numba.uint64(0xFFFFFFFF)) * unb) >> numba.uint64(32))
+    if b2 == b1:
+        b2 = (b1 + 1) % nb
+    return b1, b2
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _probe(tkeys: Any, ttags: Any, count: Any, b: int, key: Any, tag: Any) -> int:  # pragma: no cover
+    base = b * BUCKET
+    for s in range(base, base + np.int64(count[b])):
+        if tkeys[s] == key and ttags[s] == tag:
+            return s
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def find_run(tkeys: Any, ttags: Any, count: Any, nb: int, keys: Any, tags: Any, out: Any) -> None:
+    """out[i]: the slot of (keys[i], tags[i]), or -1."""  # pragma: no cover - compiled
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        tag = tags[i]
+        b1, b2 = _pair(key, tag, nb)
+        s = _probe(tkeys, ttags, count, b1, key, tag)
+        if s < 0:
+            s = _probe(tkeys, ttags, count, b2, key, tag)
+        out[i] = s
+
+
+@numba.njit(cache=True, nogil=True)
+def upsert_run(  # pragma: no cover - compiled
+    tkeys: Any,
+    ttags: Any,
+    count: Any,
+    nb: int,
+    keys: Any,
+    tags: Any,
+    start: int,
+    room: int,
+    slots: Any,
+    new: Any,
+) -> tuple[int, int]:
+    """Items start, start + 1, ...: slots[i] = the slot of item i, inserting it (new[i] = True) when absent.
+    Returns (the item it stopped at, DONE | BOTH_FULL | NO_ROOM)."""
+    for i in range(start, keys.shape[0]):
+        key = keys[i]
+        tag = tags[i]
+        b1, b2 = _pair(key, tag, nb)
+        s = _probe(tkeys, ttags, count, b1, key, tag)
+        if s < 0:
+            s = _probe(tkeys, ttags, count, b2, key, tag)
+        if s >= 0:
+            slots[i] = s
+            continue
+        if room <= 0:
+            return i, NO_ROOM
+        b = b2 if count[b2] < count[b1] else b1
+        c: Any = np.int64(count[b])
+        if c >= BUCKET:
+            return i, BOTH_FULL
+        s = b * BUCKET + c
+        tkeys[s] = key
+        ttags[s] = tag
+        count[b] = c + 1
+        room -= 1
+        slots[i] = s
+        new[i] = True
+    return keys.shape[0], DONE
+
+
+def warm_up() -> None:
+    """Compile (or load the cached machine code of) the loops for the index's key and tag types now."""
+    for tag_dtype in (np.uint16, np.uint32):
+        tkeys = np.zeros(2 * BUCKET, dtype=np.uint64)
+        ttags = np.full(2 * BUCKET, np.iinfo(tag_dtype).max, dtype=tag_dtype)
+        count = np.zeros(2, dtype=np.uint8)
+        keys = np.array([1], dtype=np.uint64)
+        tags = np.array([1], dtype=tag_dtype)
+        slots = np.full(1, -1, dtype=np.intp)
+        upsert_run(tkeys, ttags, count, 2, keys, tags, 0, 1, slots, np.zeros(1, dtype=np.bool_))
+        find_run(tkeys, ttags, count, 2, keys, tags, slots)
