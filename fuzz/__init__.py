@@ -2,4 +2,9 @@
 
 # Modules with numba-compiled functions (docs/architecture.md, "Compiled loops"): atheris rewrites the
 # bytecode of what it instruments, which numba cannot compile, so the targets leave these out.
-COMPILED = ["epp.kvindex.prefix_walk", "epp.kvindex.cuckoo", "epp.costmodel.estimate"]
+COMPILED = [
+    "epp.kvindex.prefix_walk",
+    "epp.kvindex.cuckoo",
+    "epp.kvindex.ownership",
+    "epp.costmodel.estimate",
+]

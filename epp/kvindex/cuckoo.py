@@ -51,8 +51,10 @@ def _probe(tkeys: Any, ttags: Any, count: Any, b: int, key: Any, tag: Any) -> in
 
 
 @numba.njit(cache=True, nogil=True)
-def find_run(tkeys: Any, ttags: Any, count: Any, nb: int, keys: Any, tags: Any, out: Any) -> None:
-    """out[i]: the slot of (keys[i], tags[i]), or -1."""  # pragma: no cover - compiled
+def find_run(  # pragma: no cover - compiled
+    tkeys: Any, ttags: Any, count: Any, nb: int, keys: Any, tags: Any, out: Any
+) -> None:
+    """out[i]: the slot of (keys[i], tags[i]), or -1."""
     for i in range(keys.shape[0]):
         key = keys[i]
         tag = tags[i]

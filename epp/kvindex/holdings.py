@@ -33,6 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from epp.kvindex import ownership
 from epp.kvindex.keys import MASK64, fmix_array, mix_tokens, powers
 from epp.kvindex.probe import Index
 from epp.kvindex.table import HashTable
@@ -276,8 +277,36 @@ class Holdings:
     def _own(self, keys: U64, pods: Index, tiers: Index, sign: int) -> int:
         """Add (+1) or drop (-1) one owner of (key, pod, tier) per item. An entry exists while it has an
         owner: its pod's bit in the tier's mask of the `blocks` row; owners beyond the first are counted
-        in `multi`. Returns the entries created or removed."""
+        in `multi`. Returns the entries created or removed. The compiled loops (`ownership.py`) do the
+        masks; a removal while `multi` holds anything takes the vectorised path (`_own_batch`)."""
         tags = (pods >> CHUNK_BITS).astype(np.uint16)
+        if sign > 0:
+            rows, _ = self.blocks.upsert(keys, tags, {})
+            again = np.zeros(len(rows), dtype=bool)
+            created = ownership.add_owners(self._masks(), rows, pods, tiers, self.counts, again)
+            if again.any():  # owners beyond the first
+                multi_tags = (pods[again] | (tiers[again] << 16)).astype(np.uint32)
+                at, _ = self.multi.upsert(keys[again], multi_tags, {})
+                np.add.at(self.multi.cols["n"], at, np.uint32(1))
+            self.entries += created
+            return int(created)
+        if self.multi.size:
+            return self._own_batch(keys, pods, tiers, tags, sign)
+        rows = self.blocks.find(keys, tags)
+        emptied = np.empty(len(rows), dtype=np.intp)
+        removed, k = ownership.drop_owners(self._masks(), rows, pods, tiers, self.counts, emptied)
+        self.blocks.delete(emptied[:k])
+        self.entries -= removed
+        return int(removed)
+
+    def _masks(self) -> tuple[npt.NDArray[np.uint32], ...]:
+        cols = self.blocks.cols
+        return tuple(cols[f"m{t}"] for t in range(self.ntiers))
+
+    def _own_batch(
+        self, keys: U64, pods: Index, tiers: Index, tags: npt.NDArray[np.uint16], sign: int
+    ) -> int:
+        """`_own` for a whole batch at once, with vectorised calls (repeats merged by sorting)."""
         if sign > 0:
             rows, _ = self.blocks.upsert(keys, tags, {})
         else:

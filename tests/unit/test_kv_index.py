@@ -1337,3 +1337,65 @@ def test_upsert_with_repeats_full_buckets_and_growth_against_a_dict(
     ts = np.array([t for _, t in ref], dtype=np.uint16)
     found = table.find(ks, ts)
     assert len(set(found.tolist())) == len(ref) and (found >= 0).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 10**6), max_size=30)), max_size=12))
+def test_the_compiled_owner_loops_equal_the_vectorised_batch_and_a_multiset(
+    batches: list[tuple[bool, list[int]]],
+) -> None:
+    """`Holdings._own` (compiled loops, vectorised when `multi` holds anything) and `_own_batch` give the
+    same masks, counts and extra owners; an entry exists exactly while it has an owner."""
+    from collections import Counter
+
+    from epp.kvindex.holdings import Holdings
+
+    compiled, batch = Holdings(16), Holdings(16)
+    for h in (compiled, batch):
+        for _ in range(3):
+            h.add_tier()
+        h.ensure_pod(70)
+    owners: Counter[tuple[int, int, int]] = Counter()
+    for add, draws in batches:
+        if add:
+            items = [(d % 7 + 1, d // 7 % 70, d // 490 % 3) for d in draws]
+        else:
+            held = sorted(owners.elements())
+            if not held:
+                continue
+            items = [held[d % len(held)] for d in draws]
+            take: Counter[tuple[int, int, int]] = Counter()
+            items = [it for it in items if take.update([it]) or take[it] <= owners[it]]  # only owners held
+        if not items:
+            continue
+        keys = np.array([k for k, _, _ in items], dtype=np.uint64)
+        pods = np.array([p for _, p, _ in items], dtype=np.intp)
+        tiers = np.array([t for _, _, t in items], dtype=np.intp)
+        sign = 1 if add else -1
+        made = compiled._own(keys, pods, tiers, sign)
+        tags = (pods >> 5).astype(np.uint16)
+        assert made == batch._own_batch(keys, pods, tiers, tags, sign)
+        for it in items:
+            owners[it] += sign
+        owners = +owners
+        for h in (compiled, batch):
+            held_bits = set()
+            for t in range(3):
+                col = h.blocks.cols[f"m{t}"]
+                for slot in h.blocks.occupied().tolist():
+                    chunk, mask = int(h.blocks.tags[slot]), int(col[slot])
+                    key = int(h.blocks.keys[slot])
+                    held_bits |= {(key, chunk * 32 + b, t) for b in range(32) if mask >> b & 1}
+            assert held_bits == set(owners)
+            assert h.blocks.size == len({(k, p >> 5) for k, p, _ in owners})  # emptied rows are deleted
+            assert h.entries == len(owners)
+            assert all(
+                h.counts[p, t] == sum(1 for _, q, u in owners if (q, u) == (p, t))
+                for p in range(70)
+                for t in range(3)
+            )
+            extra = {
+                (int(h.multi.keys[s]), int(h.multi.tags[s])): int(h.multi.cols["n"][s])
+                for s in h.multi.occupied().tolist()
+            }
+            assert extra == {(k, p | t << 16): n - 1 for (k, p, t), n in owners.items() if n > 1}
