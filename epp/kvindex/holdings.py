@@ -390,6 +390,10 @@ class Holdings:
         entries removed (an entry that another unit of the pod still owns stays)."""
         if slots.size == 0:
             return 0
+        if not (self.copies.size or self.multi.size):  # the common case, as one compiled loop
+            removed = self._remove_simple(slots, tiers)
+            if removed >= 0:
+                return removed
         if self.copies.size:
             tags = (self.records.tags[slots].astype(np.intp) | (tiers << 16)).astype(np.uint32)
             at = self.copies.find(self.records.keys[slots], tags)
@@ -416,6 +420,25 @@ class Holdings:
                 self.extra.delete(found[found >= 0])
             self.records.delete(gone)
         return removed
+
+    def _remove_simple(self, slots: Index, tiers: Index) -> int:
+        """`remove_units` by `ownership.remove_units` (no extra copies or owners anywhere); -1, nothing
+        done, when a record has `extra` rows."""
+        rec, blocks = self.records, self.blocks
+        gone = np.empty(len(slots), dtype=np.intp)
+        emptied = np.empty(len(slots), dtype=np.intp)
+        stamps = tuple(rec.cols[f"s{t}"] for t in range(self.ntiers))
+        removed, used, ngone, nempty = ownership.remove_units(
+            rec.cols["state"], rec.cols["info"], rec.tags, stamps, self._masks(), blocks.keys, blocks.tags,
+            blocks.count, blocks.nb, self.counts, self.units, slots, tiers, gone, emptied,
+        )  # fmt: skip
+        if removed < 0:
+            return -1
+        self.used -= used
+        self.entries -= removed
+        blocks.delete(emptied[:nempty])
+        rec.delete(gone[:ngone])
+        return int(removed)
 
     def units_of_pod(self, pid: int) -> tuple[Index, Index]:
         slots = np.flatnonzero(self.records.tags == pid)

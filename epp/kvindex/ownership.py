@@ -19,6 +19,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from epp.kvindex.cuckoo import _pair, _probe
+
 
 @numba.njit(cache=True, nogil=True)
 def add_owners(  # pragma: no cover - compiled
@@ -71,6 +73,84 @@ def drop_owners(  # pragma: no cover - compiled
     return removed, k
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fmix(x: Any) -> Any:  # pragma: no cover - compiled
+    x ^= x >> numba.uint64(33)
+    x *= numba.uint64(0xFF51AFD7ED558CCD)
+    x ^= x >> numba.uint64(33)
+    x *= numba.uint64(0xC4CEB9FE1A85EC53)
+    return x ^ (x >> numba.uint64(33))
+
+
+@numba.njit(cache=True, nogil=True)
+def remove_units(  # pragma: no cover - compiled
+    state: Any,
+    info: Any,
+    rtags: Any,
+    stamps: Any,
+    masks: Any,
+    bkeys: Any,
+    btags: Any,
+    bcount: Any,
+    nb: int,
+    counts: Any,
+    units: Any,
+    slots: Any,
+    tiers: Any,
+    gone: Any,
+    emptied: Any,
+) -> tuple[int, int, int, int]:
+    """`Holdings.remove_units` for units whose records own only their implicit key (no `extra` rows),
+    while no entry has extra owners and no unit extra copies (the caller checks the tables): per unit,
+    its accounting, its key's bit on its tier, its stamp and tier bit; a record left on no tier goes to
+    `gone`, a block row left with no bit to `emptied` (the caller deletes both). Returns (entries
+    removed, `used` released, records gone, rows emptied), or (-1, 0, 0, 0), changing nothing, when a
+    record has `extra` rows."""
+    for i in range(slots.shape[0]):
+        v = info[slots[i]]
+        nk = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
+        if nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0):
+            return -1, 0, 0, 0
+    removed = 0
+    used: Any = 0
+    ngone = 0
+    nempty = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        t = tiers[i]
+        pod = np.int64(rtags[s])
+        v = info[s]
+        nk: Any = np.int64((v >> numba.uint32(8)) & numba.uint32(0xFFF))
+        units[pod] -= 1
+        used += nk if nk > 1 else 1
+        if nk > 0 and (v & numba.uint32(0xFF)) == 0:  # the record's key, implied by its state
+            key = _fmix(state[s])
+            chunk = pod >> 5
+            b1, b2 = _pair(key, chunk, nb)
+            r = _probe(bkeys, btags, bcount, b1, key, chunk)
+            if r < 0:
+                r = _probe(bkeys, btags, bcount, b2, key, chunk)
+            bit = numba.uint32(1) << numba.uint32(pod & 31)
+            m = masks[t]
+            if r >= 0 and m[r] & bit:
+                m[r] &= ~bit
+                counts[pod, t] -= 1
+                removed += 1
+                held = numba.uint32(0)
+                for col in masks:
+                    held |= col[r]
+                if held == 0:
+                    emptied[nempty] = r
+                    nempty += 1
+        stamps[t][s] = numba.uint32(0xFFFFFFFF)
+        v &= ~(numba.uint32(1) << numba.uint32(t + 20))
+        info[s] = v
+        if (v >> numba.uint32(20)) == 0:
+            gone[ngone] = s
+            ngone += 1
+    return removed, used, ngone, nempty
+
+
 def warm_up(ntiers: int = 1) -> None:
     """Compile (or load the cached machine code of) the loops for `ntiers` tier columns."""
     masks = tuple(np.zeros(1, dtype=np.uint32) for _ in range(ntiers))
@@ -78,3 +158,8 @@ def warm_up(ntiers: int = 1) -> None:
     counts = np.zeros((1, 12), dtype=np.int64)
     add_owners(masks, one, one, one, counts, np.zeros(1, dtype=np.bool_))
     drop_owners(masks, one, one, one, counts, np.zeros(1, dtype=np.intp))
+    u64, u32, u16 = np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint32), np.zeros(1, dtype=np.uint16)
+    out = np.zeros(1, dtype=np.intp)
+    remove_units(
+        u64, u32, u16, masks, masks, u64, u16, np.zeros(1, dtype=np.uint8), 1, counts, out, one, one, out, out
+    )
