@@ -108,7 +108,7 @@ def remove_units(  # pragma: no cover - compiled
     record has `extra` rows."""
     for i in range(slots.shape[0]):
         v = info[slots[i]]
-        nk = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
+        nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
         if nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0):
             return -1, 0, 0, 0
     removed = 0
@@ -120,7 +120,7 @@ def remove_units(  # pragma: no cover - compiled
         t = tiers[i]
         pod = np.int64(rtags[s])
         v = info[s]
-        nk: Any = np.int64((v >> numba.uint32(8)) & numba.uint32(0xFFF))
+        nk = np.int64((v >> numba.uint32(8)) & numba.uint32(0xFFF))
         units[pod] -= 1
         used += nk if nk > 1 else 1
         if nk > 0 and (v & numba.uint32(0xFF)) == 0:  # the record's key, implied by its state
