@@ -106,6 +106,41 @@ def upsert_run(  # pragma: no cover - compiled
     return keys.shape[0], DONE
 
 
+@numba.njit(cache=True, nogil=True)
+def delete_run(  # pragma: no cover - compiled
+    tkeys: Any, ttags: Any, count: Any, empty_tag: int, slots: Any, src: Any, dest: Any, tail: Any
+) -> tuple[int, int]:
+    """Delete the items at `slots` (occupied; repeats allowed): each bucket they were in keeps its other
+    items in order in its first slots. Moves keys and tags; the caller moves the columns the same way,
+    src[:moves] to dest[:moves] (as one gather: no move reads a slot an earlier one wrote), and empties
+    them at tail[:freed]. Returns (moves, freed)."""
+    for i in range(slots.shape[0]):
+        ttags[slots[i]] = empty_tag
+    moves = 0
+    freed = 0
+    for i in range(slots.shape[0]):
+        b = slots[i] // BUCKET
+        base = b * BUCKET
+        c = np.int64(count[b])
+        k = 0
+        for j in range(c):
+            if ttags[base + j] != empty_tag:
+                if j != k:
+                    tkeys[base + k] = tkeys[base + j]
+                    ttags[base + k] = ttags[base + j]
+                    src[moves] = base + j
+                    dest[moves] = base + k
+                    moves += 1
+                k += 1
+        for j in range(k, c):
+            tkeys[base + j] = 0  # no stale copies of moved keys: lookups of them stay on the fast path
+            ttags[base + j] = empty_tag
+            tail[freed] = base + j
+            freed += 1
+        count[b] = k
+    return moves, freed
+
+
 def warm_up() -> None:
     """Compile (or load the cached machine code of) the loops for the index's key and tag types now."""
     for tag_dtype in (np.uint16, np.uint32):
@@ -117,3 +152,7 @@ def warm_up() -> None:
         slots = np.full(1, -1, dtype=np.intp)
         upsert_run(tkeys, ttags, count, 2, keys, tags, 0, 1, slots, np.zeros(1, dtype=np.bool_))
         find_run(tkeys, ttags, count, 2, keys, tags, slots)
+        buf = np.zeros(BUCKET, dtype=np.intp)
+        delete_run(
+            tkeys, ttags, count, int(np.iinfo(tag_dtype).max), np.zeros(1, dtype=np.intp), buf, buf, buf
+        )

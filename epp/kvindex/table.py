@@ -38,7 +38,6 @@ _REHASH_ITEMS: Final = 1 << 20
 _MMAP_BYTES: Final = 1 << 20
 
 
-
 def filled(n: int, dtype: type[np.generic], value: int) -> Array:
     """An array of n `value`s. Large ones live in their own anonymous memory mapping, so that the
     memory returns to the OS as soon as the array is dropped (a table that grows frees its old arrays;
@@ -491,27 +490,28 @@ class HashTable:
 
     # -- delete --------------------------------------------------------------------------
     def delete(self, slots: Index) -> None:
-        """Delete the items at `slots` (occupied; duplicates allowed); compacts their buckets."""
-        if slots.size == 0:
+        """Delete the items at `slots` (occupied; duplicates allowed); compacts their buckets
+        (`cuckoo.delete_run`, which moves keys and tags; the columns follow here)."""
+        n = len(slots)
+        if n == 0:
             return
-        self.tags[slots] = self.empty_tag  # marks them; empty slots past count[b] carry it too
-        b = slots // BUCKET
-        self._scratch[b] = np.arange(len(b), dtype=np.int32)
-        b = b[self._scratch[b] == np.arange(len(b))]  # each bucket once
-        idx = b[:, None] * BUCKET + _SLOTS
-        old = self.count[b]
-        keep = (_SLOTS[None, :] < old[:, None]) & (self.tags[idx] != self.empty_tag)
-        kept = keep.sum(axis=1)
-        dest = (b[:, None] * BUCKET + np.cumsum(keep, axis=1) - 1)[keep]
-        src = idx[keep]
-        self.keys[dest] = self.keys[src]
-        self.tags[dest] = self.tags[src]
-        for col in self.cols.values():
-            col[dest] = col[src]
-        tail = idx[(_SLOTS[None, :] >= kept[:, None]) & (_SLOTS[None, :] < old[:, None])]
-        self.keys[tail] = 0  # no stale copies of moved keys: lookups of them stay on the fast path
-        self.tags[tail] = self.empty_tag
+        room = min(n * BUCKET, self.capacity)  # a bucket frees or moves at most BUCKET slots
+        src = np.empty(room, dtype=np.intp)
+        dest = np.empty(room, dtype=np.intp)
+        tail = np.empty(room, dtype=np.intp)
+        moves, freed = cuckoo.delete_run(
+            self.keys,
+            self.tags,
+            self.count,
+            self.empty_tag,
+            slots.astype(np.intp, copy=False),
+            src,
+            dest,
+            tail,
+        )
+        src, dest, tail = src[:moves], dest[:moves], tail[:freed]
         for name, col in self.cols.items():
+            if moves:
+                col[dest] = col[src]
             col[tail] = self.specs[name][1]
-        self.count[b] = kept.astype(np.uint8)
-        self.size -= int(old.sum()) - int(kept.sum())
+        self.size -= freed
