@@ -4,6 +4,7 @@
 # bytecode of what it instruments, which numba cannot compile, so the targets leave these out.
 COMPILED = [
     "epp.kvindex.prefix_walk",
+    "epp.kvindex.block_chain",
     "epp.kvindex.cuckoo",
     "epp.kvindex.ownership",
     "epp.costmodel.estimate",

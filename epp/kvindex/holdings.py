@@ -33,8 +33,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import ownership
-from epp.kvindex.keys import MASK64, fmix_array, mix_tokens, powers
+from epp.kvindex import block_chain, ownership
+from epp.kvindex.keys import MASK64, fmix_array
 from epp.kvindex.probe import Index
 from epp.kvindex.table import HashTable
 
@@ -134,48 +134,29 @@ class Holdings:
 
     # -- add -----------------------------------------------------------------------------
     def add(self, b: Batch) -> None:
-        bs = self.bs
         nev = len(b.n)
         nblocks = int(b.n.sum())
-        ntok = int(b.ntok.sum())
         ev = np.repeat(np.arange(nev), b.n)
         bstart = np.cumsum(b.n) - b.n
-        tstart = (np.cumsum(b.ntok) - b.ntok)[ev]
         j = np.arange(nblocks) - bstart[ev]
-        ebs = b.ebs[ev]
-        start_off = j * ebs
-        end_off = np.where(j == b.n[ev] - 1, b.ntok[ev], start_off + ebs)
-        before = b.npend0[ev] + start_off
-        after = b.npend0[ev] + end_off
-        nkeys = after // bs - before // bs
-        npend = after % bs
-
-        pos, neg = powers(ntok + 1)
-        acc = np.zeros(ntok + 1, dtype=np.uint64)
-        weighted = mix_tokens(b.tokens)
-        weighted *= neg[:ntok]
-        np.cumsum(weighted, out=acc[1:])
-        p_end = tstart + end_off
-        lin = pos[p_end - 1] * (acc[p_end] - acc[tstart])  # state_end = pos[end_off] * s0 + lin
-        s0 = list(b.s0)
-        chained = np.flatnonzero(b.pref >= 0)
-        if chained.size:
-            g = b.pref[chained]
-            for e, a, c, pe in zip(
-                chained.tolist(), pos[end_off[g]].tolist(), lin[g].tolist(), ev[g].tolist(), strict=True
-            ):
-                s0[e] = (a * s0[pe] + c) & MASK64
-        start = np.array(s0, dtype=np.uint64)[ev]
-        state_end = pos[end_off] * start + lin
+        state_end = np.empty(nblocks, dtype=np.uint64)
+        nkeys = np.empty(nblocks, dtype=np.intp)
+        npend = np.empty(nblocks, dtype=np.intp)
+        nextra = np.empty(nblocks, dtype=np.intp)
+        extra = np.empty(len(b.tokens) // self.bs + nblocks, dtype=np.uint64)
+        block_chain.chain_blocks(
+            b.n, b.ntok, b.ebs, b.npend0, b.pref, np.array(b.s0, dtype=np.uint64), b.tokens, self.bs,
+            state_end, nkeys, npend, nextra, extra,
+        )  # fmt: skip
 
         tags = b.pid[ev].astype(np.uint16)
         info = (npend | (nkeys << 8)).astype(np.uint32)
         slots, new = self.records.upsert(b.hashes, tags, {"state": state_end, "info": info})
         if new.any():
             u = np.flatnonzero(new)
-            nsr = nkeys[u] - ((npend[u] == 0) & (nkeys[u] > 0))
-            if nsr.any():
-                self._add_extra(u[nsr > 0], nsr[nsr > 0], b, ev, tstart, start_off, before, start, pos, acc)
+            u = u[nextra[u] > 0]
+            if u.size:
+                self._add_extra(u, nextra, extra, b.hashes, tags)
 
         if self.stamp + nblocks >= _STAMP_LIMIT:
             self._rebase_stamps()
@@ -221,27 +202,16 @@ class Holdings:
         self.copies.cols["n"][at] += more[u].astype(np.uint32)
 
     def _add_extra(
-        self,
-        u: Index,
-        nsr: Index,
-        b: Batch,
-        ev: Index,
-        tstart: Index,
-        start_off: Index,
-        before: Index,
-        start: U64,
-        pos: U64,
-        acc: U64,
+        self, u: Index, nextra: Index, extra: U64, hashes: U64, pods: npt.NDArray[np.uint16]
     ) -> None:
-        """Extra rows for new records `u` that own `nsr` keys beyond the implicit one."""
-        bs = self.bs
-        kb = np.repeat(u, nsr)
-        jj = np.arange(len(kb)) - np.repeat(np.cumsum(nsr) - nsr, nsr)
-        q = start_off[kb] + (bs - before[kb] % bs) + jj * bs  # token offset in the event
-        p = tstart[kb] + q
-        keys = fmix_array(pos[q] * start[kb] + pos[p - 1] * (acc[p] - acc[tstart[kb]]))
-        tags = (b.pid[ev[kb]] | (jj << 16)).astype(np.uint32)
-        self.extra.insert(b.hashes[kb], tags, {"key": keys})
+        """Extra rows for the new records of blocks `u`: the keys they complete before their last one
+        (`block_chain.chain_blocks` put each block's `nextra` of them in order in `extra`)."""
+        counts = nextra[u]
+        kb = np.repeat(u, counts)
+        jj = np.arange(len(kb)) - np.repeat(np.cumsum(counts) - counts, counts)
+        first = np.cumsum(nextra) - nextra  # where each block's keys start in `extra`
+        tags = (pods[kb].astype(np.intp) | (jj << 16)).astype(np.uint32)
+        self.extra.insert(hashes[kb], tags, {"key": extra[first[kb] + jj]})
 
     # -- keys of records -----------------------------------------------------------------
     def owned(self, slots: Index) -> tuple[Index, U64]:

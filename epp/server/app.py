@@ -22,7 +22,7 @@ from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watcher import PoolWatcher
-from epp.kvindex import cuckoo, ownership, prefix_walk
+from epp.kvindex import block_chain, cuckoo, ownership, prefix_walk
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
@@ -227,6 +227,7 @@ class EppServer:
         prefix_walk.warm_up()  # compile (or load) the compiled loops before anything listens
         estimate.warm_up()
         cuckoo.warm_up()
+        block_chain.warm_up()
         ownership.warm_up()  # for one tier (gpu); each new number of tiers compiles once
         if self.discovery is not None:
             await self.discovery.start()  # bad credentials fail here, before anything listens

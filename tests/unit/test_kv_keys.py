@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epp.kvindex.block_chain import chain_blocks
 from epp.kvindex.keys import (
     MULT,
     TOKEN_SEED,
@@ -189,3 +190,53 @@ def test_bad_arguments() -> None:
         block_keys([1, 2], 0, 0)
     with pytest.raises(TypeError):
         block_keys(np.array([1.5, 2.0]), 1, 0)
+
+
+@st.composite
+def stored_batches(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int, int, int, int]], list[int]]:
+    """(index block size, events (n, ntok, ebs, npend0, pref, s0), tokens): chained like a flush's."""
+    bs = draw(st.integers(1, 16))
+    events, tokens, blocks = [], [], 0
+    for _ in range(draw(st.integers(1, 6))):
+        n, ebs = draw(st.integers(1, 4)), draw(st.integers(1, 40))
+        ntok = draw(st.integers((n - 1) * ebs + 1, n * ebs))
+        pref = draw(st.integers(-1, blocks - 1)) if blocks else -1
+        events.append((n, ntok, ebs, draw(st.integers(0, bs - 1)), pref, draw(st.integers(0, 2**64 - 1))))
+        tokens += draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=ntok, max_size=ntok))
+        blocks += n
+    return bs, events, tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(stored_batches())
+def test_the_compiled_chain_of_stored_blocks_follows_the_definition(
+    batch: tuple[int, list[tuple[int, int, int, int, int, int]], list[int]],
+) -> None:
+    bs, events, tokens = batch
+    cols = [np.array([e[i] for e in events], dtype=np.intp) for i in range(5)]
+    nblocks = int(cols[0].sum())
+    out = [np.empty(nblocks, dtype=np.uint64), *(np.empty(nblocks, dtype=np.intp) for _ in range(3))]
+    extra = np.empty(len(tokens) // bs + nblocks, dtype=np.uint64)
+    s0 = np.array([e[5] for e in events], dtype=np.uint64)
+    count = chain_blocks(*cols, s0, np.array(tokens, dtype=np.int64), bs, *out, extra)
+    want_state, want_keys, want_pend, want_extra = [], [], [], []
+    t = 0
+    for n, ntok, ebs, pend, pref, s in events:
+        state = want_state[pref] if pref >= 0 else s
+        for j in range(n):
+            keys = []
+            for tok in tokens[t : t + (ntok - j * ebs if j == n - 1 else ebs)]:
+                state = advance(state, [tok])
+                pend = (pend + 1) % bs
+                if pend == 0:
+                    keys.append(key_of(state))
+            t += ntok - j * ebs if j == n - 1 else ebs
+            implicit = pend == 0 and keys
+            want_state.append(state)
+            want_keys.append(len(keys))
+            want_pend.append(pend)
+            want_extra.append(keys[:-1] if implicit else keys)
+    assert out[0].tolist() == want_state
+    assert out[1].tolist() == want_keys and out[2].tolist() == want_pend
+    assert out[3].tolist() == [len(k) for k in want_extra]
+    assert extra[:count].tolist() == [k for ks in want_extra for k in ks]
