@@ -141,6 +141,61 @@ def delete_run(  # pragma: no cover - compiled
     return moves, freed
 
 
+@numba.njit(cache=True, nogil=True)
+def split_run(  # pragma: no cover - compiled
+    okeys: Any,
+    otags: Any,
+    ocount: Any,
+    onb: int,
+    lo: int,
+    hi: int,
+    nkeys: Any,
+    ntags: Any,
+    ncount: Any,
+    src: Any,
+    dest: Any,
+    left: Any,
+) -> tuple[int, int]:
+    """Double a table (`HashTable._split`), old buckets lo..hi - 1: the item in slot j of old bucket b
+    goes to new bucket 2b or 2b + 1, the same choice (first or second) of its pair; items whose pair was
+    adjusted (equal choices) are left for the caller (`left`). Moves keys and tags; the caller moves
+    the columns, src[:moved] to dest[:moved]. Returns (moved, left)."""
+    nnb = 2 * onb
+    moved = 0
+    nleft = 0
+    u32 = numba.uint64(32)
+    low = numba.uint64(0xFFFFFFFF)
+    for b in range(lo, hi):
+        base = b * BUCKET
+        for j in range(np.int64(ocount[b])):
+            s = base + j
+            key = okeys[s]
+            x = key ^ (numba.uint64(otags[s]) * numba.uint64(0xD6E8FEB86659FD93))
+            x ^= x >> numba.uint64(33)
+            x *= numba.uint64(0xFF51AFD7ED558CCD)
+            x ^= x >> numba.uint64(33)
+            x *= numba.uint64(0xC4CEB9FE1A85EC53)
+            x ^= x >> numba.uint64(33)
+            hi = x >> u32
+            if np.int64((hi * numba.uint64(onb)) >> u32) == b:
+                side = np.int64((hi * numba.uint64(nnb)) >> u32) - 2 * b
+            else:
+                side = np.int64(((x & low) * numba.uint64(nnb)) >> u32) - 2 * b
+            if side != 0 and side != 1:
+                left[nleft] = s
+                nleft += 1
+                continue
+            nbk = 2 * b + side
+            d = nbk * BUCKET + np.int64(ncount[nbk])
+            ncount[nbk] += 1
+            nkeys[d] = key
+            ntags[d] = otags[s]
+            src[moved] = s
+            dest[moved] = d
+            moved += 1
+    return moved, nleft
+
+
 def warm_up() -> None:
     """Compile (or load the cached machine code of) the loops for the index's key and tag types now."""
     for tag_dtype in (np.uint16, np.uint32):

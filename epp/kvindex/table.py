@@ -410,38 +410,29 @@ class HashTable:
     def _split(self) -> None:
         """Double the buckets. An item in bucket b (its first or second choice) has the same choice among
         buckets 2b and 2b + 1 of the new table (bucket numbers are (32-bit hash * buckets) >> 32): each old
-        bucket splits into two without overflow. Items whose pair was adjusted (equal choices) go last."""
+        bucket splits into two without overflow (`cuckoo.split_run`). Items whose pair was adjusted (equal
+        choices) go last."""
         old_keys, old_tags, old_count, old_cols, old_nb = self.keys, self.tags, self.count, self.cols, self.nb
         self._alloc(2 * old_nb)
-        u_old, u_new = np.uint64(old_nb), np.uint64(2 * old_nb)
-        step = max(1, _REHASH_ITEMS // BUCKET)
-        left: list[Index] = []
+        step = max(1, _REHASH_ITEMS // BUCKET)  # old buckets at a time: bounded temporaries
+        room = min(step, old_nb) * BUCKET
+        src = np.empty(room, dtype=np.intp)
+        dest = np.empty(room, dtype=np.intp)
+        left = np.empty(room, dtype=np.intp)
+        rest: list[Index] = []
         for lo in range(0, old_nb, step):
-            hi = min(old_nb, lo + step)
-            occ = _SLOTS[None, :] < old_count[lo:hi, None]
-            slots = lo * BUCKET + np.flatnonzero(occ)
-            home = slots // BUCKET
-            h = fmix_array(old_keys[slots] ^ (old_tags[slots].astype(np.uint64) * _U_TAG_MUL))
-            h_hi = h >> _U32
-            first = ((h_hi * u_old) >> _U32).astype(np.intp) == home
-            side = np.where(first, (h_hi * u_new) >> _U32, ((h & _LOW32) * u_new) >> _U32).astype(np.intp)
-            side -= 2 * home
-            side[(side >> 1) != 0] = 2  # not 0 or 1: a bucket pair that was adjusted
-            grid = np.full(occ.shape, 2, dtype=np.intp)
-            grid[occ] = side
-            is0, is1 = grid == 0, grid == 1
-            rank = np.where(is0, np.cumsum(is0, axis=1), np.cumsum(is1, axis=1))[occ] - 1
-            ok = side < 2
-            src, dest = slots[ok], (2 * home[ok] + side[ok]) * BUCKET + rank[ok]
-            self._write(dest, old_keys[src], old_tags[src], old_cols, src)
-            self.count[2 * lo : 2 * hi : 2] = is0.sum(axis=1)
-            self.count[2 * lo + 1 : 2 * hi : 2] = is1.sum(axis=1)
-            self.size += len(src)
-            if not ok.all():
-                left.append(slots[~ok])
-        if left:
-            rest = np.concatenate(left)
-            self._bulk(old_keys[rest], old_tags[rest], {name: col[rest] for name, col in old_cols.items()})
+            moved, nleft = cuckoo.split_run(
+                old_keys, old_tags, old_count, old_nb, lo, min(old_nb, lo + step),
+                self.keys, self.tags, self.count, src, dest, left,
+            )  # fmt: skip
+            for name, col in self.cols.items():
+                col[dest[:moved]] = old_cols[name][src[:moved]]
+            self.size += moved
+            if nleft:
+                rest.append(left[:nleft].copy())
+        if rest:
+            slots = np.concatenate(rest)
+            self._bulk(old_keys[slots], old_tags[slots], {name: col[slots] for name, col in old_cols.items()})
 
     def _rehash(self, buckets: int) -> None:
         """Move everything into a table of `buckets` buckets, a slice of the old one at a time (bounded
