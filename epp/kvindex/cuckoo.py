@@ -2,10 +2,11 @@
 
 `upsert_run` takes items in order: a present one gets its slot; an absent one goes into the emptier of
 its two buckets (the first on a tie), as `HashTable._insert` places an item, and a later copy of it in
-the same batch then finds it. It stops, for the caller to settle in Python, at an item whose buckets
-are both full (the cuckoo walk and growth stay in `table.py`) and when the table reaches its load limit
-(`room` inserts left). `find_run` is the plain probe of both buckets. The hashing is
-`table.HashTable._pair`'s (`keys.fmix` of key ^ tag * constant), as in `prefix_walk._walk`.
+the same batch then finds it. Items whose buckets are both full are set aside for the caller to
+settle in one vectorised call (relocation, the cuckoo walk and growth stay in `table.py`), and it
+stops when the table reaches its load limit (`room` inserts left). `find_run` is the plain probe of
+both buckets. The hashing is `table.HashTable._pair`'s (`keys.fmix` of key ^ tag * constant), as in
+`prefix_walk._walk`.
 
 Compiled with numba (`docs/architecture.md`, "Compiled loops"): batches here are often small (a few
 events per flush in the simulator), where the vectorised insert's ~40 numpy calls cost more than the
@@ -21,8 +22,7 @@ import numpy as np
 
 BUCKET: Final = 8  # probe.BUCKET (a literal here: numba reads module globals as constants)
 DONE: Final = 0
-BOTH_FULL: Final = 1
-NO_ROOM: Final = 2
+NO_ROOM: Final = 1
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -77,9 +77,12 @@ def upsert_run(  # pragma: no cover - compiled
     room: int,
     slots: Any,
     new: Any,
-) -> tuple[int, int]:
-    """Items start, start + 1, ...: slots[i] = the slot of item i, inserting it (new[i] = True) when absent.
-    Returns (the item it stopped at, DONE | BOTH_FULL | NO_ROOM)."""
+    stuck: Any,
+    nstuck: int,
+) -> tuple[int, int, int]:
+    """Items start, start + 1, ...: slots[i] = the slot of item i, inserting it (new[i] = True) when absent;
+    an absent item whose buckets are both full is added to `stuck` (its first `nstuck` are taken) and
+    left for the caller. Returns (the item it stopped at, DONE | NO_ROOM, items now in `stuck`)."""
     for i in range(start, keys.shape[0]):
         key = keys[i]
         tag = tags[i]
@@ -91,11 +94,13 @@ def upsert_run(  # pragma: no cover - compiled
             slots[i] = s
             continue
         if room <= 0:
-            return i, NO_ROOM
+            return i, NO_ROOM, nstuck
         b = b2 if count[b2] < count[b1] else b1
         c: Any = np.int64(count[b])
         if c >= BUCKET:
-            return i, BOTH_FULL
+            stuck[nstuck] = i
+            nstuck += 1
+            continue
         s = b * BUCKET + c
         tkeys[s] = key
         ttags[s] = tag
@@ -103,7 +108,7 @@ def upsert_run(  # pragma: no cover - compiled
         room -= 1
         slots[i] = s
         new[i] = True
-    return keys.shape[0], DONE
+    return keys.shape[0], DONE, nstuck
 
 
 @numba.njit(cache=True, nogil=True)
@@ -205,7 +210,7 @@ def warm_up() -> None:
         keys = np.array([1], dtype=np.uint64)
         tags = np.array([1], dtype=tag_dtype)
         slots = np.full(1, -1, dtype=np.intp)
-        upsert_run(tkeys, ttags, count, 2, keys, tags, 0, 1, slots, np.zeros(1, dtype=np.bool_))
+        upsert_run(tkeys, ttags, count, 2, keys, tags, 0, 1, slots, np.zeros(1, dtype=np.bool_), slots, 0)
         find_run(tkeys, ttags, count, 2, keys, tags, slots)
         buf = np.zeros(BUCKET, dtype=np.intp)
         delete_run(

@@ -201,12 +201,14 @@ class HashTable:
             return slots, new, False
         keys, tags = self._typed(keys, tags)
         moved = False
+        stuck = np.empty(n, dtype=np.intp)
+        nstuck = 0
         i = 0
         while True:
             load = self.roomy_load if self.size + 1 < self.roomy_until else self.max_load
             room = int(load * self.capacity) - self.size
-            j, code = cuckoo.upsert_run(
-                self.keys, self.tags, self.count, self.nb, keys, tags, i, room, slots, new
+            j, code, nstuck = cuckoo.upsert_run(
+                self.keys, self.tags, self.count, self.nb, keys, tags, i, room, slots, new, stuck, nstuck
             )
             placed = i + np.flatnonzero(new[i:j])
             if placed.size:
@@ -214,17 +216,22 @@ class HashTable:
                 self._write(slots[placed], keys[placed], tags[placed], values, placed)
             if code == cuckoo.DONE:
                 break
-            if code == cuckoo.NO_ROOM:  # grow for every absent item left, as `_insert` does for a batch
-                absent = int(np.count_nonzero(self.find(keys[j:], tags[j:]) < 0))
-                self._grow(self.size + absent)
-                moved = True
-            else:  # both buckets full: relocation or the cuckoo walk (either may move other items)
-                slot_of, _, relocated = self._insert(np.array([j]), keys, tags, values, dedupe=True)
-                new[j] = True
-                slots[j] = slot_of[j]
-                moved |= relocated
-                j += 1
+            # the load limit: grow for every absent item left, as `_insert` does for a batch
+            absent = nstuck + int(np.count_nonzero(self.find(keys[j:], tags[j:]) < 0))
+            self._grow(self.size + absent)
+            moved = True
             i = j
+        if nstuck:  # both buckets full: relocation or the cuckoo walk (which may move other items)
+            items = stuck[:nstuck]
+            if moved:  # the table grew since they were set aside: some may fit without a walk now
+                items = items[self.find(keys[items], tags[items]) < 0]
+            slot_of, placed, relocated = self._insert(items, keys, tags, values, dedupe=True)
+            new[placed] = True
+            slots[placed] = slot_of[placed]
+            moved |= relocated
+            if not moved:
+                left = items[slots[items] < 0]  # later copies of a placed item
+                slots[left] = self.find(keys[left], tags[left])
         if moved:
             slots = self.find(keys, tags)
         return slots, new, moved
