@@ -21,18 +21,18 @@ with their (1-based) index in a numpy FIFO, front pushes with decreasing negativ
 small stack, so the queue is the front pushes (most recent first) followed by the FIFO in order.
 Both use lazy deletion: an entry is live while its block's stamp still names it (`touch` and
 `allocate` reset a block's stamp to 0). So allocating, touching and freeing a request's blocks
-are a few numpy operations, whatever their number; the hash -> block map is a dict fed and
-drained with bulk calls.
+are a few numpy operations, whatever their number; the hash -> block map is an array map fed and
+drained by compiled loops (`block_map.py`), the extra copies of a hash a dict beside it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import repeat, takewhile
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+
+from simulator import block_map
 
 Ids = npt.NDArray[np.int64]
 _NO_IDS: Final[Ids] = np.zeros(0, dtype=np.int64)
@@ -42,13 +42,14 @@ class BlockPool:
     __slots__ = (
         "_front",
         "_head",
+        "_keys",
         "_next_front",
         "_pos",
         "_q",
         "_stamp",
         "_tail",
+        "_vals",
         "block_size",
-        "cached",
         "dups",
         "hash",
         "hashed",
@@ -67,7 +68,7 @@ class BlockPool:
         self.ref = np.zeros(num_blocks, dtype=np.int64)  # requests using the block
         self.hash = np.zeros(num_blocks, dtype=np.uint64)
         self.hashed = np.zeros(num_blocks, dtype=np.bool_)
-        self.cached: dict[int, int] = {}  # hash -> the copy a lookup uses (the first cached)
+        self._keys, self._vals = block_map.new_map(num_blocks)  # hash -> the copy a lookup uses (the first)
         self.dups: dict[int, list[int]] = {}  # hash -> every copy, in caching order (2+ copies only)
         usable = num_blocks - 1
         cap = 4 * num_blocks + 64
@@ -91,32 +92,43 @@ class BlockPool:
         return self.num_blocks - 1 - self.num_free
 
     # -- prefix cache -----------------------------------------------------------------------
+    @property
+    def cached(self) -> dict[int, int]:
+        """hash -> the copy a lookup uses, as a dict built on demand (tests, debugging)."""
+        live = self._vals != 0
+        return dict(zip(self._keys[live].tolist(), self._vals[live].tolist(), strict=True))
+
     def lookup(self, hashes: list[int], limit: int) -> list[int]:
         """Blocks of the longest run of cached hashes from hashes[0], at most `limit` of them."""
-        hs = hashes[:limit] if limit < len(hashes) else hashes
-        return list(takewhile(bool, map(self.cached.get, hs, repeat(0))))  # block ids are >= 1
+        got: list[int] = self.lookup_ids(np.array(hashes, dtype=np.uint64), limit).tolist()
+        return got
+
+    def lookup_ids(self, values: npt.NDArray[np.uint64], limit: int) -> Ids:
+        """`lookup` for hashes as a uint64 array, blocks as an array."""
+        out = np.empty(max(0, min(limit, len(values))), dtype=np.int64)
+        return out[: block_map.run(self._keys, self._vals, values, limit, out)]
 
     def cache(self, ids: Ids, hashes: list[int], values: npt.NDArray[np.uint64]) -> None:
         """Blocks `ids` (in use, unhashed) now hold the full blocks named `hashes` (`values`: the same
         hashes as a uint64 array)."""
         self.hash[ids] = values
         self.hashed[ids] = True
-        id_list: list[int] = ids.tolist()
-        first = list(map(self.cached.setdefault, hashes, id_list))
-        if first != id_list:
-            for h, b, f in zip(hashes, id_list, first, strict=True):
-                if f != b:
-                    copies = self.dups.get(h)
-                    if copies is None:
-                        self.dups[h] = [f, b]
-                    else:
-                        copies.append(b)
+        first = np.empty(len(ids), dtype=np.int64)
+        if block_map.put_all(self._keys, self._vals, values, ids, first):
+            return
+        for h, b, f in zip(hashes, ids.tolist(), first.tolist(), strict=True):
+            if f != b:
+                copies = self.dups.get(h)
+                if copies is None:
+                    self.dups[h] = [f, b]
+                else:
+                    copies.append(b)
 
     def cache_one(self, b: int, h: int) -> None:
         """`cache` for a single block (a decode filling it): scalar operations only."""
         self.hash[b] = h
         self.hashed[b] = True
-        first = self.cached.setdefault(h, b)
+        first = block_map.put(self._keys, self._vals, np.uint64(h), b)
         if first != b:
             copies = self.dups.get(h)
             if copies is None:
@@ -127,32 +139,29 @@ class BlockPool:
     def _uncache_one(self, b: int) -> int:
         h: int = self.hash.item(b)
         self.hashed[b] = False
-        copies = self.dups.get(h) if self.dups else None
-        if copies is None:
-            del self.cached[h]
-        else:
-            copies.remove(b)
-            self.cached[h] = copies[0]
-            if len(copies) == 1:
-                del self.dups[h]
+        self._unmap(h, b)
         return h
 
+    def _unmap(self, h: int, b: int) -> None:
+        """Block `b` no longer holds `h`: the next copy serves lookups, or none."""
+        copies = self.dups.get(h) if self.dups else None
+        if copies is None:
+            block_map.remove(self._keys, self._vals, np.uint64(h))
+            return
+        copies.remove(b)
+        block_map.set_block(self._keys, self._vals, np.uint64(h), copies[0])
+        if len(copies) == 1:
+            del self.dups[h]
+
     def _uncache(self, ids: Ids) -> list[int]:
-        hashes: list[int] = self.hash[ids].tolist()
+        values = self.hash[ids]
+        hashes: list[int] = values.tolist()
         self.hashed[ids] = False
-        cached = self.cached
         if not self.dups:
-            deque(map(cached.__delitem__, hashes), maxlen=0)
+            block_map.remove_all(self._keys, self._vals, values)
             return hashes
         for h, b in zip(hashes, ids.tolist(), strict=True):
-            copies = self.dups.get(h)
-            if copies is None:
-                del cached[h]
-                continue
-            copies.remove(b)
-            cached[h] = copies[0]
-            if len(copies) == 1:
-                del self.dups[h]
+            self._unmap(h, b)
         return hashes
 
     def copies(self, h: int) -> list[int]:
@@ -160,8 +169,8 @@ class BlockPool:
         copies = self.dups.get(h)
         if copies is not None:
             return list(copies)
-        b = self.cached.get(h)
-        return [] if b is None else [b]
+        b = block_map.get(self._keys, self._vals, np.uint64(h))
+        return [] if b == 0 else [int(b)]
 
     # -- allocation ---------------------------------------------------------------------------
     def free_among(self, ids: Ids) -> int:

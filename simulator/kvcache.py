@@ -140,9 +140,9 @@ class KvCacheManager:
         """(GPU prefix tokens, CPU continuation tokens) held for `tokens`, uncapped."""
         bs = self.block_size
         root, _ = self._root(lora, salt)
-        hashes: list[int] = block_hashes(tokens, bs, root).tolist()
-        nh = len(self.pool.lookup(hashes, len(hashes)))
-        nc = self.cpu.run(hashes, nh, len(hashes)) if self.cpu is not None else 0
+        values = block_hashes(tokens, bs, root)
+        nh = len(self.pool.lookup_ids(values, len(values)))
+        nc = self.cpu.run(values.tolist(), nh, len(values)) if self.cpu is not None else 0
         return nh * bs, nc * bs
 
     def admit(self, r: ReqState, budget: int) -> tuple[int, int, int] | None:
@@ -153,8 +153,8 @@ class KvCacheManager:
         pool = self.pool
         n = r.target
         limit = (n - 1) // bs  # vLLM always computes at least one prompt token
-        hit = pool.lookup(r.hashes, limit)
-        nh = len(hit)
+        hit_ids = pool.lookup_ids(r.values, limit)
+        nh = len(hit_ids)
         cpu = self.cpu
         nc = cpu.run(r.hashes, nh, limit) if cpu is not None and nh < limit else 0
         computed = (nh + nc) * bs
@@ -162,7 +162,6 @@ class KvCacheManager:
         need = -(-(computed + chunk) // bs) - nh
         table = r.table
         if nh:
-            hit_ids = np.fromiter(hit, dtype=np.int64, count=nh)
             if not pool.touch_if_fits(hit_ids, need):
                 return None
             table[:nh] = hit_ids

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from simulator import block_map
 from simulator.engine import Engine
 from simulator.events import OnEvents
 from simulator.kernel import Kernel
@@ -82,6 +83,7 @@ class EngineRunner:
         self.submitted = 0
 
     async def start(self) -> None:
+        block_map.warm_up()  # compile (or load) the engine's compiled loops before the first request
         await self.driver.start()
 
     async def stop(self) -> None:

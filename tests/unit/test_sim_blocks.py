@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulator import block_map
 from simulator.blocks import BlockPool
 from simulator.hashing import block_hash, block_hashes, root_hash
 from simulator.offload import CpuTier
@@ -271,3 +274,34 @@ def test_cpu_tier_is_an_lru() -> None:
     cpu.load([1])  # 3 is now the oldest
     assert cpu.put(4) == (True, [3])
     assert list(cpu.lru) == [1, 4]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32), st.booleans())
+def test_the_compiled_hash_map_agrees_with_a_dict_at_high_load(seed: int, tiny: bool) -> None:
+    """Linear probing in a 16-slot map kept at up to 15 hashes (long runs that wrap around the end), with
+    deletion by shifting entries back: every hash stays findable, whatever was removed before it."""
+    rng = random.Random(seed)
+    keys, vals = block_map.new_map(8)
+    ref: dict[int, int] = {}
+    for n in range(300):
+        op = rng.random()
+        if op < 0.55 and len(ref) < len(keys) - 1:
+            h = rng.randrange(64) if tiny else rng.getrandbits(64)
+            assert block_map.put(keys, vals, np.uint64(h), n + 1) == ref.setdefault(h, n + 1)
+        elif op < 0.9 and ref:
+            h = rng.choice(list(ref))
+            block_map.remove(keys, vals, np.uint64(h))
+            del ref[h]
+        elif ref:
+            h = rng.choice(list(ref))
+            block_map.set_block(keys, vals, np.uint64(h), n + 1)
+            ref[h] = n + 1
+        assert all(block_map.get(keys, vals, np.uint64(x)) == b for x, b in ref.items())
+    live = vals != 0
+    assert dict(zip(keys[live].tolist(), vals[live].tolist(), strict=True)) == ref
+    probe = np.array([*ref, 2**64 - 1], dtype=np.uint64)
+    out = np.empty(len(probe), dtype=np.int64)
+    stop = len(ref) if (2**64 - 1) not in ref else len(probe)
+    assert block_map.run(keys, vals, probe, len(probe), out) == stop
+    assert out[: len(ref)].tolist() == list(ref.values())
