@@ -12,24 +12,23 @@ with `M` the odd multiplier of `epp.kvindex.keys` and `C_j` fixed odd 64-bit con
 (splitmix64 of j + 1). A chain starts from `root_hash(lora_name, cache_salt)` (vLLM puts the
 adapter and the salt in its blocks' extra keys), so tenants and adapters never share blocks.
 
-Being linear, the hashes of all blocks of a sequence are one matrix product and one cumulative
-sum (`hash_b = M^b (M parent + sum_{i<=b} M^-i c_i)`, the prefix-scan trick of `keys.py`): six
-numpy operations, about 3 us for 2,000 tokens. Two different (parent, block) pairs collide only
-when `M * dparent + sum_j C_j * dt_j = 0 (mod 2^64)`, which natural token data does not produce
-(about 2^-64 per pair); it is not a cryptographic hash, and a final bit mixer would not change
-which pairs collide, so there is none.
+The hashes of a sequence's blocks are one compiled pass over its tokens (`_chain`, numba:
+`docs/architecture.md`, "Compiled loops"), about 2 us for 2,000 tokens. Two different (parent,
+block) pairs collide only when `M * dparent + sum_j C_j * dt_j = 0 (mod 2^64)`, which natural
+token data does not produce (about 2^-64 per pair); it is not a cryptographic hash, and a final
+bit mixer would not change which pairs collide, so there is none.
 """
 
 from __future__ import annotations
 
 import hashlib
-from operator import mul
-from typing import Final
+from typing import Any, Final
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex.keys import MASK64, MULT, powers
+from epp.kvindex.keys import MASK64, MULT
 
 Hashes = npt.NDArray[np.uint64]
 
@@ -80,24 +79,27 @@ def block_hashes(token_ids: npt.NDArray[np.integer], block_size: int, parent: in
     nb = len(token_ids) // block_size
     if nb == 0:
         return _EMPTY
-    if nb <= 2:  # numpy's fixed costs exceed the work: the scalar definition
-        coefs: list[int] = coefficients(block_size).tolist()
-        toks: list[int] = token_ids[: nb * block_size].tolist()
-        hashes = []
-        h = parent
-        for b in range(0, nb * block_size, block_size):
-            h = (h * MULT + sum(map(mul, toks[b : b + block_size], coefs))) & MASK64
-            hashes.append(h)
-        return np.array(hashes, dtype=np.uint64)
-    flat = token_ids[: nb * block_size]
-    if flat.dtype == np.int64 and flat.flags.c_contiguous:
-        blocks = flat.view(np.uint64).reshape(nb, block_size)  # ids are >= 0: the same bits
-    else:
-        blocks = flat.astype(np.uint64).reshape(nb, block_size)
-    out = blocks @ coefficients(block_size)  # c_b, wrapping modulo 2^64
-    pos, neg = powers(nb + 1)
-    out *= neg[:nb]
-    np.add.accumulate(out, out=out)  # sum_{i<=b} M^-i c_i
-    out += np.array((parent * MULT) & MASK64, dtype=np.uint64)
-    out *= pos[:nb]  # hash_b = M^b (M parent + sum_{i<=b} M^-i c_i) = M hash_{b-1} + c_b
+    tokens = token_ids if token_ids.dtype == np.int64 else token_ids.astype(np.int64)
+    out = np.empty(nb, dtype=np.uint64)
+    _chain(tokens, block_size, coefficients(block_size), np.uint64(parent & MASK64), out)
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _chain(tokens: Any, bs: int, coefs: Any, parent: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out[b] = M * out[b - 1] + sum_j C_j * t_{b * bs + j} (mod 2^64), out[-1] = parent: the definition,
+    one block after the other (ids are >= 0, so their int64 bits are their uint64 value)."""
+    mult = numba.uint64(MULT)
+    h = parent
+    for b in range(out.shape[0]):
+        acc = h * mult
+        base = b * bs
+        for j in range(bs):
+            acc += coefs[j] * numba.uint64(tokens[base + j])
+        out[b] = acc
+        h = acc
+
+
+def warm_up() -> None:
+    """Compile (or load the cached machine code of) the hash loop now."""
+    block_hashes(np.zeros(2, dtype=np.int64), 1, 0)

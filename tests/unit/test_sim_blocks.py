@@ -235,7 +235,7 @@ def test_pool_matches_the_literal_model(n: int, ops: list[tuple[int, list[int], 
 @given(
     st.lists(st.integers(0, 2**31 - 1), max_size=80), st.sampled_from([1, 4, 16]), st.integers(0, 2**64 - 1)
 )
-def test_vectorised_hashes_equal_the_block_by_block_chain(tokens: list[int], bs: int, parent: int) -> None:
+def test_compiled_hashes_equal_the_block_by_block_chain(tokens: list[int], bs: int, parent: int) -> None:
     arr = np.array(tokens, dtype=np.int64)
     got = block_hashes(arr, bs, parent).tolist()
     want, p = [], parent
