@@ -20,8 +20,8 @@ Implementation. The free queue is ordered by a stamp per free block: tail append
 with their (1-based) index in a numpy FIFO, front pushes with decreasing negative numbers in a
 small stack, so the queue is the front pushes (most recent first) followed by the FIFO in order.
 Both use lazy deletion: an entry is live while its block's stamp still names it (`touch` and
-`allocate` reset a block's stamp to 0). So allocating, touching and freeing a request's blocks
-are a few numpy operations, whatever their number; the hash -> block map is an array map fed and
+`allocate` reset a block's stamp to 0). So allocating and freeing a request's blocks are one
+compiled loop each (`free_queue.py`), touching them a few numpy operations; the hash -> block map is an array map fed and
 drained by compiled loops (`block_map.py`), the extra copies of a hash a dict beside it.
 """
 
@@ -32,7 +32,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from simulator import block_map
+from simulator import block_map, free_queue
 
 Ids = npt.NDArray[np.int64]
 _NO_IDS: Final[Ids] = np.zeros(0, dtype=np.int64)
@@ -40,7 +40,9 @@ _NO_IDS: Final[Ids] = np.zeros(0, dtype=np.int64)
 
 class BlockPool:
     __slots__ = (
-        "_front",
+        "_fb",
+        "_flen",
+        "_fs",
         "_head",
         "_keys",
         "_next_front",
@@ -80,7 +82,11 @@ class BlockPool:
         self._head = 0
         self._tail = usable
         self._next_front = -1
-        self._front: list[tuple[int, int]] = []  # (block, stamp); the last item is the front
+        # the front stack, (block, stamp) pairs, the last the front: only unhashed blocks go there, and
+        # they leave it only by being taken, so it never holds more than the blocks
+        self._fb = np.zeros(num_blocks, dtype=np.int64)
+        self._fs = np.zeros(num_blocks, dtype=np.int64)
+        self._flen = 0
         self.num_free = usable
 
     @property
@@ -210,14 +216,19 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks, {self.num_free} free")
         if n <= 0:
             return _NO_IDS, _NO_IDS, []
-        ids = self._pop(n)
-        self._stamp[ids] = 0
-        self.ref[ids] = 1
+        ids = np.empty(n, dtype=np.int64)
+        evicted = np.empty(n, dtype=np.int64)
+        head, self._flen, nev = free_queue.take(
+            self._q, self._stamp, self.ref, self.hashed, self._head, self._tail,
+            self._fb, self._fs, self._flen, ids, evicted,
+        )  # fmt: skip
+        if head < 0:
+            raise AssertionError("free queue exhausted: num_free is out of step")
+        self._head = head
         self.num_free -= n
-        hashed = self.hashed[ids]
-        if not hashed.any():
+        if not nev:
             return ids, _NO_IDS, []
-        evicted = ids[hashed]
+        evicted = evicted[:nev]
         return ids, evicted, self._uncache(evicted)
 
     def allocate_one(self) -> tuple[int, int | None]:
@@ -233,43 +244,22 @@ class BlockPool:
     def free(self, ids: Ids) -> None:
         """Release one request's hold on `ids` (distinct), in the order given: blocks nobody uses any more
         go to the tail (hashed) or the front (unhashed) of the free queue."""
-        if not len(ids):
-            return
-        ref = self.ref[ids]
-        if (ref == 1).all():
-            self.ref[ids] = 0
-            done = ids
-        else:
-            ref -= 1
-            self.ref[ids] = ref
-            done = ids[ref == 0]
-            if not len(done):
-                return
-        self.num_free += len(done)
-        hashed = self.hashed[done]
-        if hashed.all():
-            self._append(done)
-            return
-        self._append(done[hashed])
-        for b in done[~hashed].tolist():
-            s = self._next_front
-            self._next_front = s - 1
-            self._stamp[b] = s
-            self._front.append((b, s))
-
-    # -- the free queue -----------------------------------------------------------------------
-    def _append(self, ids: Ids) -> None:
         k = len(ids)
         if not k:
             return
         if self._tail + k > len(self._q):
             self._compact(k)
-        t = self._tail
-        self._q[t : t + k] = ids
-        self._stamp[ids] = self._pos[t : t + k]
-        self._tail = t + k
+        if self._flen + k > len(self._fb):  # only if stale entries piled up (see __init__)
+            self._compact_front()
+        self._tail, self._flen, self._next_front, freed = free_queue.give_back(
+            ids, self.ref, self.hashed, self._stamp, self._q, self._tail,
+            self._fb, self._fs, self._flen, self._next_front,
+        )  # fmt: skip
+        self.num_free += freed
 
+    # -- the free queue -----------------------------------------------------------------------
     def _compact(self, extra: int) -> None:
+        """Make room for `extra` more FIFO entries: drop the stale ones (and grow when needed)."""
         ids = self._q[self._head : self._tail]
         ids = ids[self._stamp[ids] == self._pos[self._head : self._tail]]
         n = len(ids)
@@ -281,12 +271,19 @@ class BlockPool:
         self._stamp[ids] = self._pos[:n]
         self._head, self._tail = 0, n
 
+    def _compact_front(self) -> None:
+        fb, fs = self._fb[: self._flen], self._fs[: self._flen]
+        live = self._stamp[fb] == fs
+        n = int(live.sum())
+        self._fb[:n], self._fs[:n] = fb[live], fs[live]
+        self._flen = n
+
     def _pop_one(self) -> int:
-        stamp = self._stamp
-        front = self._front
-        while front:
-            b, s = front.pop()
-            if stamp.item(b) == s:
+        stamp, fb, fs = self._stamp, self._fb, self._fs
+        while self._flen:
+            self._flen -= 1
+            b: int = fb.item(self._flen)
+            if stamp.item(b) == fs.item(self._flen):
                 return b
         q = self._q
         head = self._head
@@ -298,49 +295,11 @@ class BlockPool:
                 return b
         raise AssertionError("free queue exhausted: num_free is out of step")
 
-    def _pop(self, n: int) -> Ids:
-        got: list[int] = []
-        front = self._front
-        stamp = self._stamp
-        while front and len(got) < n:
-            b, s = front.pop()
-            if stamp[b] == s:
-                got.append(b)
-        need = n - len(got)
-        if not need:
-            return np.array(got, dtype=np.int64)
-        head, tail = self._head, self._tail
-        q, pos = self._q, self._pos
-        end = head + need
-        if end <= tail:  # fast path: the next `need` entries are all live
-            window = q[head:end]
-            if (stamp[window] == pos[head:end]).all():
-                self._head = end
-                ids = window.copy()
-                return np.concatenate((np.array(got, dtype=np.int64), ids)) if got else ids
-        parts = [np.array(got, dtype=np.int64)] if got else []
-        while need:
-            if head >= tail:
-                raise AssertionError("free queue exhausted: num_free is out of step")
-            end = min(tail, head + need + (need >> 2) + 16)
-            window = q[head:end]
-            live = np.flatnonzero(stamp[window] == pos[head:end])
-            if len(live) >= need:
-                take = live[:need]
-                parts.append(window[take])
-                head += int(take[-1]) + 1
-                need = 0
-            else:
-                parts.append(window[live])
-                head = end
-                need -= len(live)
-        self._head = head
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
     def free_queue(self) -> list[int]:
         """The free queue, front first (for tests and debugging; O(queue))."""
         stamp = self._stamp
-        out = [b for b, s in reversed(self._front) if stamp[b] == s]
+        front = zip(self._fb[: self._flen].tolist(), self._fs[: self._flen].tolist(), strict=True)
+        out = [b for b, s in reversed(list(front)) if stamp[b] == s]
         ids = self._q[self._head : self._tail]
         out.extend(ids[stamp[ids] == self._pos[self._head : self._tail]].tolist())
         return out

@@ -76,6 +76,20 @@ def test_hit_blocks_leave_the_free_queue_and_are_refreshed_when_freed_again() ->
     pool.check()
 
 
+def test_the_front_stack_drops_entries_that_went_stale_when_it_fills() -> None:
+    """Unhashed free blocks only leave the front by being taken, but a caller may touch one: its entry
+    goes stale, and once stale entries fill the stack it keeps the live ones in order."""
+    pool = BlockPool(5, 4)
+    for _ in range(3):
+        a, _, _ = pool.allocate(4)  # everything; the free ones (unhashed) went to the front
+        pool.free(np.sort(a))  # 1 2 3 4 onto the front: the queue is 4 3 2 1
+        pool.touch(ids(4, 3))  # two stale entries left on the stack
+        assert pool.free_queue() == [2, 1]
+        pool.free(ids(3, 4))
+        assert pool.free_queue() == [4, 3, 2, 1]
+        pool.check()
+
+
 def test_a_block_shared_by_two_requests_is_freed_by_the_last() -> None:
     pool = BlockPool(5, 4)
     _a, _, _ = pool.allocate(1)
