@@ -21,8 +21,9 @@ with their (1-based) index in a numpy FIFO, front pushes with decreasing negativ
 small stack, so the queue is the front pushes (most recent first) followed by the FIFO in order.
 Both use lazy deletion: an entry is live while its block's stamp still names it (`touch` and
 `allocate` reset a block's stamp to 0). So allocating and freeing a request's blocks are one
-compiled loop each (`free_queue.py`), touching them a few numpy operations; the hash -> block map is an array map fed and
-drained by compiled loops (`block_map.py`), the extra copies of a hash a dict beside it.
+compiled loop each (`free_queue.py`), touching them a few numpy operations; the hash -> block map
+is an array map fed and drained by compiled loops (`block_map.py`), the extra copies of a hash a
+dict beside it.
 """
 
 from __future__ import annotations
@@ -114,15 +115,14 @@ class BlockPool:
         out = np.empty(max(0, min(limit, len(values))), dtype=np.int64)
         return out[: block_map.run(self._keys, self._vals, values, limit, out)]
 
-    def cache(self, ids: Ids, hashes: list[int], values: npt.NDArray[np.uint64]) -> None:
-        """Blocks `ids` (in use, unhashed) now hold the full blocks named `hashes` (`values`: the same
-        hashes as a uint64 array)."""
+    def cache(self, ids: Ids, values: npt.NDArray[np.uint64]) -> None:
+        """Blocks `ids` (in use, unhashed) now hold the full blocks named by the hashes `values`."""
         self.hash[ids] = values
         self.hashed[ids] = True
         first = np.empty(len(ids), dtype=np.int64)
         if block_map.put_all(self._keys, self._vals, values, ids, first):
             return
-        for h, b, f in zip(hashes, ids.tolist(), first.tolist(), strict=True):
+        for h, b, f in zip(values.tolist(), ids.tolist(), first.tolist(), strict=True):
             if f != b:
                 copies = self.dups.get(h)
                 if copies is None:

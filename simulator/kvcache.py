@@ -43,10 +43,10 @@ class ReqState:
     state (`engine.py`: phase, admission order, and where its decoding started)."""
 
     __slots__ = (
+        "_hashes",
         "c0",
         "computed",
         "epoch",
-        "hashes",
         "lora",
         "max_tokens",
         "nblocks",
@@ -79,7 +79,7 @@ class ReqState:
         self.rec = rec
         self.tokens = tokens  # prompt + the outputs that are fed back (all but the last)
         self.values = values  # hashes of the full blocks of `tokens`
-        self.hashes: list[int] = values.tolist()
+        self._hashes: list[int] | None = None
         self.prompt_len = rec.prompt_tokens
         self.max_tokens = req.max_tokens
         self.salt = req.cache_salt
@@ -93,6 +93,13 @@ class ReqState:
         self.target = self.prompt_len  # tokens to prefill: the prompt, plus outputs after a preemption
         self.phase = WAITING
         self.order = self.epoch = self.s0 = self.c0 = self.o0 = self.s_fin = 0
+
+    @property
+    def hashes(self) -> list[int]:
+        """`values` as Python ints (made on first use: the CPU tier's calls)."""
+        if self._hashes is None:
+            self._hashes = self.values.tolist()
+        return self._hashes
 
 
 class KvCacheManager:
@@ -209,20 +216,19 @@ class KvCacheManager:
         sink = self.sink
         if b - a == 1:  # a decode filling a block: scalar operations
             blk: int = r.table.item(a)
-            h = r.hashes[a]
+            h: int = r.values.item(a)
             self.pool.cache_one(blk, h)
             if self.cpu is not None:
                 self._btag[blk] = r.tag
                 self._btok[blk] = r.tokens[a * bs : b * bs]
                 self._bfirst[blk] = a == 0
-                self._bparent[blk] = r.hashes[a - 1] if a else 0
+                self._bparent[blk] = r.values.item(a - 1) if a else 0
             if sink is not None:
-                parent = r.hashes[a - 1] if a else None
+                parent = r.values.item(a - 1) if a else None
                 sink.stored([h], parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt)
             return
         ids = r.table[a:b]
-        hashes = r.hashes[a:b]
-        self.pool.cache(ids, hashes, r.values[a:b])
+        self.pool.cache(ids, r.values[a:b])
         if self.cpu is not None:
             self._btag[ids] = r.tag
             self._btok[ids] = r.tokens[a * bs : b * bs].reshape(b - a, bs)
@@ -233,8 +239,10 @@ class KvCacheManager:
                 self._bfirst[ids[0]] = True
                 self._bparent[ids[1:]] = r.values[: b - 1]
         if sink is not None:
-            parent = r.hashes[a - 1] if a else None
-            sink.stored(hashes, parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt)
+            parent = r.values.item(a - 1) if a else None
+            sink.stored(
+                r.values[a:b].tolist(), parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt
+            )
 
     def free(self, r: ReqState) -> None:
         """Release all of r's blocks, last first."""

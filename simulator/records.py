@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -87,8 +88,8 @@ class RequestRecord:
 RequestCallback = Callable[[RequestRecord, float], object]
 """(the request's record, kernel time)."""
 
-_OUT_MUL = np.uint64(0x9E3779B97F4A7C15)
-_OUT_SHIFT = np.uint64(47)  # pseudo output ids in [0, 2^17)
+_OUT_MUL_INT = 0x9E3779B97F4A7C15
+_OUT_SHIFT = 47  # pseudo output ids in [0, 2^17)
 
 
 def output_tokens(request: SimRequest, k: int) -> npt.NDArray[np.int64]:
@@ -103,14 +104,38 @@ def output_tokens(request: SimRequest, k: int) -> npt.NDArray[np.int64]:
             )
         return out[:k]
     digest = hashlib.blake2b(request.request_id.encode(), digest_size=8).digest()
-    x = np.arange(1, k + 1, dtype=np.uint64) * _OUT_MUL + np.uint64(int.from_bytes(digest, "little"))
-    return (x >> _OUT_SHIFT).astype(np.int64)
+    out = np.empty(max(k, 0), dtype=np.int64)
+    _pseudo_ids(np.uint64(int.from_bytes(digest, "little")), out)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _pseudo_ids(seed: Any, out: Any) -> None:  # pragma: no cover - compiled
+    """out[j] = ((j + 1) * _OUT_MUL_INT + seed) >> 47 (mod 2^64): ids in [0, 2^17)."""
+    for j in range(out.shape[0]):
+        out[j] = np.int64(
+            (numba.uint64(j + 1) * numba.uint64(_OUT_MUL_INT) + seed) >> numba.uint64(_OUT_SHIFT)
+        )
+
+
+@numba.njit(cache=True, nogil=True)
+def _has_negative(ids: Any) -> bool:  # pragma: no cover - compiled
+    for j in range(ids.shape[0]):  # noqa: SIM110 (numba compiles no generator inside any())
+        if ids[j] < 0:
+            return True
+    return False
+
+
+def warm_up() -> None:
+    """Compile (or load the cached machine code of) the loops now."""
+    _pseudo_ids(np.uint64(1), np.empty(1, dtype=np.int64))
+    _has_negative(np.zeros(1, dtype=np.int64))
 
 
 def as_token_array(token_ids: TokenIds, what: str = "token ids") -> npt.NDArray[np.int64]:
     """Token ids as an int64 array; ValueError for non-integers or negative ids."""
     if type(token_ids) is np.ndarray and token_ids.dtype == np.int64 and token_ids.ndim == 1:
-        if len(token_ids) and token_ids.min() < 0:
+        if _has_negative(token_ids):
             raise ValueError(f"{what} must be >= 0")
         return cast("npt.NDArray[np.int64]", token_ids)
     arr = np.asarray(token_ids)

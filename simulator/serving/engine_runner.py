@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from simulator import block_map, free_queue, hashing
+from simulator import block_map, free_queue, hashing, records
 from simulator.engine import Engine
 from simulator.events import OnEvents
 from simulator.kernel import Kernel
@@ -86,6 +86,7 @@ class EngineRunner:
         block_map.warm_up()  # compile (or load) the engine's compiled loops before the first request
         hashing.warm_up()
         free_queue.warm_up()
+        records.warm_up()
         await self.driver.start()
 
     async def stop(self) -> None:

@@ -20,7 +20,7 @@ def ids(*b: int) -> np.ndarray:
 
 
 def cache(pool: BlockPool, blocks: list[int], hashes: list[int]) -> None:
-    pool.cache(ids(*blocks), hashes, np.array(hashes, dtype=np.uint64))
+    pool.cache(ids(*blocks), np.array(hashes, dtype=np.uint64))
 
 
 # -- the pool, rule by rule ---------------------------------------------------------------------
