@@ -3,8 +3,10 @@
 10,000 requests averaging 2,000 prompt tokens with prefix sharing (200 shared system prompts of
 1,000-2,000 tokens, each request adding a unique question so the mean prompt is ~2,000 tokens;
 16 output tokens), a 4,096-block cache of 16-token blocks (so prefixes are evicted), deterministic
-(seeded). Figures: end to end (parse the JSONL + run + write the results to an in-memory buffer),
-parsing alone and the engine alone, in requests per second of wall time (medians of --repeat runs).
+(seeded). Figures: end to end (`engine_replay`, what the command runs: the file scanned in a second thread
+while the engine runs the requests already read, then the results written to an in-memory buffer),
+parsing alone (`parse_requests`) and the engine alone (`run` over parsed requests), in requests per
+second of wall time (medians of --repeat runs).
 
   python benchmarks/engine_replay.py [--requests 10000] [--repeat 3] [--events]
 """
@@ -19,7 +21,8 @@ import time
 
 import numpy as np
 
-from simulator.engine_replay import event_lines, parse_requests, result_lines, run
+from simulator import request_lines
+from simulator.engine_replay import engine_replay, parse_requests, run
 from simulator.token_text import warm_up
 
 TARGET = 20_000.0
@@ -54,7 +57,8 @@ def main() -> None:
     ap.add_argument("--events", action="store_true", help="also collect and write the KV events")
     args = ap.parse_args()
     data = workload(args.requests)
-    warm_up()  # the compiled parser is loaded once per process (`epp-sim engine-replay` does the same)
+    warm_up()  # the compiled loops are loaded once per process (`epp-sim engine-replay` does the same)
+    request_lines.warm_up()
     reqs = parse_requests(data, NUM_BLOCKS, BLOCK_SIZE)
     mean = sum(len(r.prompt) for r in reqs) / len(reqs)
     out = run(reqs, NUM_BLOCKS, BLOCK_SIZE)
@@ -64,13 +68,12 @@ def main() -> None:
         f"{NUM_BLOCKS} blocks x {BLOCK_SIZE} tokens, token hit rate {hit:.1%}"
     )
 
-    def end_to_end() -> None:
-        rs = parse_requests(data, NUM_BLOCKS, BLOCK_SIZE)
-        o = run(rs, NUM_BLOCKS, BLOCK_SIZE, events=args.events)
+    def end_to_end() -> None:  # what `epp-sim engine-replay` runs between reading and writing files
+        results, events = engine_replay(data, NUM_BLOCKS, BLOCK_SIZE, events=args.events)
         buf = io.StringIO()
-        buf.write(result_lines(o.results))
-        if args.events:
-            buf.write(event_lines(o.events))
+        buf.write(results)
+        if events is not None:
+            buf.write(events)
 
     figures = {
         "end to end (parse + run + write)": median_time(end_to_end, args.repeat),

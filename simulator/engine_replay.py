@@ -2,8 +2,9 @@
 them, reporting each request's `cached_tokens` and (optionally) the KV events. Pure: text in, lines out.
 
 Input: JSONL, one object per non-blank line, `{"prompt_token_ids": [...], "max_tokens": N, "i": ...}`
-(`i` optional: the 0-based index among non-blank lines). Every line is validated before anything
-runs (`parse_requests`); a bad one raises `EngineReplayError` with its 1-based line number.
+(`i` optional: the 0-based index among non-blank lines). A bad line raises `EngineReplayError` with
+its 1-based line number: `parse_requests` checks every line first; `engine_replay` (the command)
+checks each when the engine reaches it and stops there, before any output exists.
 
 The run (`run`): ONE `Engine` (the cluster simulation's engine, not a separate model) with
 `num_gpu_blocks = num_blocks` (vLLM's `--num-gpu-blocks-override`, the null block included),
@@ -14,16 +15,19 @@ event the engine published while request `i` ran, one JSON object each, in vLLM'
 (`{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
 "medium"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}`) with `"i"` first.
 
-Parsing is the hot path for large inputs (2,000-token prompts): a line is decoded by msgspec into a
-typed struct with the token list kept raw; a list of non-negative integers is converted by a compiled
-pass straight to int64 (`token_text.parse_ids`). Anything else (a sign, a fraction, a non-number, an
-id too large for int64) goes through the exact path, msgspec's `list[int]` decoding, which names what
-is wrong.
+Reading the file is the hot path for large inputs (2,000-token prompts). A second thread scans it
+slice by slice in compiled code (`request_lines.scan`, without the GIL, so it overlaps the engine's
+work): a line of the strict shape gives its ids straight into an int64 array. Any other line goes to
+msgspec's typed decoding, the token list kept raw and converted by `token_text` when it holds only
+non-negative integers, else by msgspec's `list[int]` decoding, which names what is wrong (a sign, a
+fraction, a non-number, an id too large for int64).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -31,6 +35,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from simulator import request_lines as lines
 from simulator.engine import Engine, EngineConfig
 from simulator.kernel import Kernel
 from simulator.records import SimRequest
@@ -113,50 +118,139 @@ def _tokens_exact(line: bytes, lineno: int) -> npt.NDArray[np.int64]:
 
 def parse_requests(data: bytes | str, num_blocks: int, block_size: int) -> list[ReplayRequest]:
     """Every request of a JSONL text, validated (EngineReplayError naming the first bad line)."""
+    return list(iter_requests(data, num_blocks, block_size))
+
+
+def iter_requests(
+    data: bytes | str, num_blocks: int, block_size: int, *, reuse: bool = False
+) -> Iterator[ReplayRequest]:
+    """The requests of a JSONL text, in order, each validated when it is reached (EngineReplayError
+    naming its line). A second thread scans the file ahead (`request_lines.scan`, compiled, without
+    the GIL) while the caller works on the requests already given. `reuse`: the caller is done with a
+    request's prompt when it asks for the next one (`run` is), so the scan may write later prompts over
+    it: a few buffers of ids serve the whole file (fresh memory for every prompt costs page faults)."""
     check_settings(num_blocks, block_size)
     if isinstance(data, str):
         data = data.encode()
     room = (num_blocks - 1) * block_size  # tokens whose KV the engine can hold
-    out: list[ReplayRequest] = []
-    decode = _line_decoder.decode
-    ids = IdReader()
-    text = memoryview(data)  # lines are slices of it, not copies
-    find = data.find
-    pos = lineno = 0
-    while pos < len(data):
-        end = find(b"\n", pos)
-        if end < 0:
-            end = len(data)
-        line, pos = text[pos:end], end + 1
-        lineno += 1
-        try:
-            obj = decode(line)
-        except msgspec.ValidationError as err:
-            raise EngineReplayError(lineno, str(err)) from None
-        except msgspec.DecodeError as err:
-            if not bytes(line).strip():
-                continue  # a blank line
-            raise EngineReplayError(lineno, f"not a JSON object: {err}") from None
-        prompt = ids.read(obj.prompt_token_ids)
-        if prompt is None:
-            prompt = _tokens_exact(bytes(line), lineno)
-        n = len(prompt)
-        if n == 0:
-            raise EngineReplayError(lineno, "empty prompt: prompt_token_ids needs at least one token")
-        m = obj.max_tokens
-        if n + m - 1 > room:  # the last output token's KV is never computed
-            need = -(-(n + m - 1) // block_size)
-            raise EngineReplayError(
-                lineno,
-                f"{n} prompt + {m} output tokens need {need} blocks of {block_size} tokens; the cache holds "
-                f"{num_blocks - 1} (--num-blocks {num_blocks}, one is the null block)",
-            )
-        out.append(ReplayRequest(len(out) if obj.i is None else obj.i, lineno, prompt, m))
-    return out
+    scanned: queue.SimpleQueue[_Scanned | BaseException | None] = queue.SimpleQueue()
+    spare: queue.Queue[npt.NDArray[np.int64]] | None = queue.Queue() if reuse else None
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_scan_all, args=(data, scanned, spare, stop), name="engine-replay-scan", daemon=True
+    )
+    thread.start()
+    exact = IdReader()
+    lineno = k = 0
+    held: npt.NDArray[np.int64] | None = None
+    try:
+        while (item := scanned.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            rows, ids = item
+            if spare is not None and held is not None:
+                spare.put(held)  # every request of the previous slice is done with
+            held = ids
+            for row in rows:
+                lineno += 1
+                status = row[lines.STATUS]
+                if status == lines.BLANK:
+                    continue
+                if status == lines.TAKEN:
+                    at = row[lines.IDS_AT]
+                    prompt = ids[at : at + row[lines.IDS_N]]
+                    m = row[lines.MAX_TOKENS]
+                    i = row[lines.I_VALUE] if row[lines.I_SET] else None
+                else:
+                    got = _exact_line(data[row[lines.START] : row[lines.END]], lineno, exact)
+                    if got is None:
+                        continue  # a blank line
+                    prompt, m, i = got
+                _check_fits(len(prompt), m, lineno, num_blocks, block_size, room)
+                yield ReplayRequest(k if i is None else i, lineno, prompt, m)
+                k += 1
+    finally:
+        stop.set()
+        if spare is not None:
+            spare.put(np.zeros(0, dtype=np.int64))  # wakes a scan waiting for a buffer
+
+
+_Scanned = tuple[list[list[int]], npt.NDArray[np.int64]]
+_SCAN_FIRST = 1 << 20  # bytes of the file in the first slice (the first request waits for it) ...
+_SCAN_MAX = 16 << 20  # ... doubling up to this
+_BUFFERS = 3  # with `reuse`: slices of ids in use at once (the caller's, the next, one being scanned)
+
+
+def _scan_all(
+    data: bytes,
+    out: queue.SimpleQueue[_Scanned | BaseException | None],
+    spare: queue.Queue[npt.NDArray[np.int64]] | None,
+    stop: threading.Event,
+) -> None:
+    """The scanning thread: each slice of whole lines as (rows, ids); then None."""
+    try:
+        buf = np.frombuffer(data, dtype=np.uint8)
+        made = 0
+        a, size = 0, _SCAN_FIRST
+        while a < len(data) and not stop.is_set():
+            b = min(len(data), a + size)
+            if b < len(data):
+                nl = data.find(b"\n", b - 1)
+                b = len(data) if nl < 0 else nl + 1
+            need = (b - a) // 2 + 1
+            ids = None
+            if spare is not None and made >= _BUFFERS:
+                ids = spare.get()  # a slice the caller is done with
+                if stop.is_set():
+                    return
+            if ids is None or len(ids) < need:
+                ids = np.empty(max(need, _SCAN_MAX // 2 + 1) if spare is not None else need, dtype=np.int64)
+                made += 1
+            info = np.empty((data.count(b"\n", a, b) + 1, lines.COLUMNS), dtype=np.int64)
+            n, _ = lines.scan(buf, a, b, ids, 0, info, 0)
+            if spare is None:
+                ids.flags.writeable = False  # the prompts are views of it, kept by the caller
+            out.put((info[:n].tolist(), ids))
+            a, size = b, min(2 * size, _SCAN_MAX)
+    except BaseException as err:  # handed to the consuming thread, which raises it
+        out.put(err)
+    finally:
+        out.put(None)
+
+
+def _exact_line(
+    line: bytes, lineno: int, ids: IdReader
+) -> tuple[npt.NDArray[np.int64], int, int | None] | None:
+    """A line outside the scan's strict shape, through msgspec: (prompt, max_tokens, i), or None when it
+    is blank; EngineReplayError for whatever is wrong with it."""
+    try:
+        obj = _line_decoder.decode(line)
+    except msgspec.ValidationError as err:
+        raise EngineReplayError(lineno, str(err)) from None
+    except msgspec.DecodeError as err:
+        if not line.strip():
+            return None
+        raise EngineReplayError(lineno, f"not a JSON object: {err}") from None
+    prompt = ids.read(obj.prompt_token_ids)
+    if prompt is None:
+        prompt = _tokens_exact(line, lineno)
+    return prompt, obj.max_tokens, obj.i
+
+
+def _check_fits(n: int, m: int, lineno: int, num_blocks: int, block_size: int, room: int) -> None:
+    if n == 0:
+        raise EngineReplayError(lineno, "empty prompt: prompt_token_ids needs at least one token")
+    if n + m - 1 > room:  # the last output token's KV is never computed
+        need = -(-(n + m - 1) // block_size)
+        raise EngineReplayError(
+            lineno,
+            f"{n} prompt + {m} output tokens need {need} blocks of {block_size} tokens; the cache holds "
+            f"{num_blocks - 1} (--num-blocks {num_blocks}, one is the null block)",
+        )
 
 
 def run(
-    requests: Sequence[ReplayRequest],
+    requests: Iterable[ReplayRequest],
     num_blocks: int,
     block_size: int,
     *,
@@ -212,7 +306,7 @@ def event_lines(events: Sequence[dict[str, Any]]) -> str:
 def engine_replay(
     data: bytes | str, num_blocks: int, block_size: int, *, events: bool = False
 ) -> tuple[str, str | None]:
-    """JSONL requests in; (results JSONL, events JSONL or None) out. Validates everything first."""
-    requests = parse_requests(data, num_blocks, block_size)
-    out = run(requests, num_blocks, block_size, events=events)
+    """JSONL requests in; (results JSONL, events JSONL or None) out (EngineReplayError for a bad line:
+    no output)."""
+    out = run(iter_requests(data, num_blocks, block_size, reuse=True), num_blocks, block_size, events=events)
     return result_lines(out.results), event_lines(out.events) if events else None

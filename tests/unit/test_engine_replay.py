@@ -13,8 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulator import request_lines
 from simulator.cli import main
-from simulator.engine_replay import EngineReplayError, _tokens_exact, engine_replay, parse_requests
+from simulator.engine_replay import (
+    EngineReplayError,
+    _tokens_exact,
+    engine_replay,
+    parse_requests,
+    result_lines,
+    run,
+)
 from simulator.token_text import IdReader
 
 
@@ -270,3 +278,92 @@ def test_unreadable_requests_file_exits_2(tmp_path: pathlib.Path, capsys: pytest
     argv = ["engine-replay", "--requests", str(tmp_path / "nope.jsonl"), "--num-blocks", "8"]
     assert main([*argv, "--block-size", "4", "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "nope.jsonl: cannot read" in capsys.readouterr().err
+
+
+# -- the compiled line scan ------------------------------------------------------------------------------
+_SPACE = st.sampled_from(["", " ", "  ", "\t", " \r"])
+
+
+@st.composite
+def request_line(draw: st.DrawFn) -> tuple[str, bool]:
+    """A request line as a JSON writer might format it, and whether it was bent out of the strict shape
+    (a leading zero, a fraction, an exponent, a sign, a repeated or extra key, an escape in a key)."""
+    ids = draw(st.lists(st.integers(0, 2**63 - 1), max_size=6))
+    sp = draw(_SPACE)
+    fields = {
+        "prompt_token_ids": "[" + sp + ("," + sp).join(map(str, ids)) + sp + "]",
+        "max_tokens": str(draw(st.integers(1, 40))),
+    }
+    i = draw(
+        st.one_of(st.none(), st.just("null"), st.integers(1 - 2**63, 2**63 - 1).map(str))
+    )  # -2^63: exact path
+    if i is not None:
+        fields["i"] = i
+    bend = draw(
+        st.sampled_from(["", "", "", "lead0", "float", "dup", "extra", "escape", "sign", "exp", "zero"])
+    )
+    items = [f'"{k}"{sp}:{draw(_SPACE)}{v}' for k, v in fields.items()]
+    if bend in ("lead0", "sign") and not ids:
+        bend = ""
+    if bend == "lead0":
+        items[0] = items[0].replace("[" + sp + str(ids[0]), "[" + sp + "0" + str(ids[0]), 1)
+    elif bend == "float":
+        items[1] += ".0"
+    elif bend == "dup":
+        items.append(items[1])
+    elif bend == "extra":
+        items.append('"model": "m"')
+    elif bend == "escape":
+        items[1] = items[1].replace('"max_tokens"', '"max_\\u0074okens"')
+    elif bend == "sign":
+        items[0] = items[0].replace("[" + sp + str(ids[0]), "[" + sp + "-" + str(ids[0]), 1)
+    elif bend == "exp":
+        items[1] += "e0"
+    elif bend == "zero":  # max_tokens 0: valid JSON, refused by the schema
+        items[1] = items[1].rsplit(":", 1)[0] + ": 0"
+    order = draw(st.permutations(items))
+    line = draw(_SPACE) + "{" + draw(_SPACE) + ("," + sp).join(order) + sp + "}" + draw(_SPACE)
+    return line, bend != ""
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(request_line(), min_size=1, max_size=8))
+def test_the_scan_takes_lines_of_the_strict_shape_as_json_reads_them_and_leaves_the_rest(
+    drawn: list[tuple[str, bool]],
+) -> None:
+    text_lines = [line for line, _ in drawn]
+    data = ("\n".join(text_lines) + "\n").encode()
+    buf = np.frombuffer(data, dtype=np.uint8)
+    info = np.empty((len(text_lines) + 1, request_lines.COLUMNS), dtype=np.int64)
+    ids = np.empty(len(data) // 2 + 1, dtype=np.int64)
+    rows, _ = request_lines.scan(buf, 0, len(data), ids, 0, info, 0)
+    assert rows == len(text_lines)
+    for row, (line, bent) in zip(info[:rows].tolist(), drawn, strict=True):
+        assert data[row[request_lines.START] : row[request_lines.END]] == line.encode()
+        if bent:  # msgspec's typed decoding decides (and names what is wrong)
+            assert row[request_lines.STATUS] == request_lines.EXACT, line
+            continue
+        assert row[request_lines.STATUS] == request_lines.TAKEN, line
+        obj = json.loads(line)
+        at, n = row[request_lines.IDS_AT], row[request_lines.IDS_N]
+        assert ids[at : at + n].tolist() == obj["prompt_token_ids"]
+        assert row[request_lines.MAX_TOKENS] == obj["max_tokens"]
+        assert (row[request_lines.I_VALUE] if row[request_lines.I_SET] else None) == obj.get("i")
+
+
+def test_reused_scan_buffers_give_every_request_its_own_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices of a few lines, so that the three id buffers are written over many times while the engine
+    works: the results equal those of prompts parsed apart first."""
+    import simulator.engine_replay as er
+
+    rng = np.random.default_rng(5)
+    rows = [
+        json.dumps(req(rng.integers(0, 50, int(rng.integers(1, 60))).tolist(), int(rng.integers(1, 4))))
+        for _ in range(300)
+    ]
+    text = "\n".join(rows) + "\n"
+    expected = run(parse_requests(text, 64, 4), 64, 4).results
+    monkeypatch.setattr(er, "_SCAN_FIRST", 200)
+    monkeypatch.setattr(er, "_SCAN_MAX", 800)
+    assert run(er.iter_requests(text, 64, 4, reuse=True), 64, 4).results == expected
+    assert engine_replay(text, 64, 4)[0] == result_lines(expected)
