@@ -37,6 +37,7 @@ from simulator import block_map, free_queue
 
 Ids = npt.NDArray[np.int64]
 _NO_IDS: Final[Ids] = np.zeros(0, dtype=np.int64)
+_NO_HASHES: Final[npt.NDArray[np.uint64]] = np.zeros(0, dtype=np.uint64)
 
 
 class BlockPool:
@@ -159,16 +160,15 @@ class BlockPool:
         if len(copies) == 1:
             del self.dups[h]
 
-    def _uncache(self, ids: Ids) -> list[int]:
+    def _uncache(self, ids: Ids) -> npt.NDArray[np.uint64]:
         values = self.hash[ids]
-        hashes: list[int] = values.tolist()
         self.hashed[ids] = False
         if not self.dups:
             block_map.remove_all(self._keys, self._vals, values)
-            return hashes
-        for h, b in zip(hashes, ids.tolist(), strict=True):
+            return values
+        for h, b in zip(values.tolist(), ids.tolist(), strict=True):
             self._unmap(h, b)
-        return hashes
+        return values
 
     def copies(self, h: int) -> list[int]:
         """Physical blocks holding hash `h`, in caching order."""
@@ -209,13 +209,13 @@ class BlockPool:
         ref += 1
         self.ref[ids] = ref
 
-    def allocate(self, n: int) -> tuple[Ids, Ids, list[int]]:
+    def allocate(self, n: int) -> tuple[Ids, Ids, npt.NDArray[np.uint64]]:
         """Take `n` blocks from the front of the free queue: (blocks, the evicted ones among them, their
         hashes), both in the order taken. Raises ValueError when fewer than `n` are free."""
         if n > self.num_free:
             raise ValueError(f"cannot allocate {n} blocks, {self.num_free} free")
         if n <= 0:
-            return _NO_IDS, _NO_IDS, []
+            return _NO_IDS, _NO_IDS, _NO_HASHES
         ids = np.empty(n, dtype=np.int64)
         evicted = np.empty(n, dtype=np.int64)
         head, self._flen, nev = free_queue.take(
@@ -227,7 +227,7 @@ class BlockPool:
         self._head = head
         self.num_free -= n
         if not nev:
-            return ids, _NO_IDS, []
+            return ids, _NO_IDS, _NO_HASHES
         evicted = evicted[:nev]
         return ids, evicted, self._uncache(evicted)
 

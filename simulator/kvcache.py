@@ -249,10 +249,14 @@ class KvCacheManager:
         self.pool.free(r.table[: r.nblocks][::-1])
         r.nblocks = r.ncached = 0
 
-    def _evicted(self, ids: Ids, hashes: list[int]) -> None:
-        """GPU blocks `ids` lost their cached content: report it, and keep it on the CPU tier."""
+    def _evicted(self, ids: Ids, values: npt.NDArray[np.uint64] | list[int]) -> None:
+        """GPU blocks `ids` lost their cached content (hashes `values`): report it, and keep it on the
+        CPU tier."""
         sink = self.sink
         cpu = self.cpu
+        if cpu is None and sink is None:
+            return
+        hashes: list[int] = values.tolist() if isinstance(values, np.ndarray) else values
         if cpu is None:
             if sink is not None:
                 sink.removed(hashes, GPU)

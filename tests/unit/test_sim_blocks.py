@@ -45,7 +45,7 @@ def test_allocation_takes_from_the_front_and_evicts_cached_blocks_in_that_order(
     assert pool.free_queue() == [4, 5, 3, 2, 1]
     b, evicted, hashes = pool.allocate(4)  # 4, 5, then 3 (evicts 103), 2 (evicts 102)
     assert b.tolist() == [4, 5, 3, 2]
-    assert evicted.tolist() == [3, 2] and hashes == [103, 102]
+    assert evicted.tolist() == [3, 2] and hashes.tolist() == [103, 102]
     assert pool.lookup([101, 102], 2) == [1]
     pool.check()
 
@@ -112,11 +112,11 @@ def test_duplicate_copies_the_first_is_used_and_each_is_evicted_on_its_own() -> 
     assert pool.lookup([11], 1) == [1]
     pool.free(a[::-1])  # queue 3 4 5 2 1
     _, evicted, hashes = pool.allocate(4)  # 3 4 5 then 2: the second copy goes first
-    assert evicted.tolist() == [2] and hashes == [11]
+    assert evicted.tolist() == [2] and hashes.tolist() == [11]
     assert pool.lookup([11], 1) == [1] and pool.copies(11) == [1]
     pool.free(ids(2, 3, 4, 5))
     _, evicted, hashes = pool.allocate(5)  # 1 is the last cached copy
-    assert evicted.tolist() == [1] and hashes == [11]
+    assert evicted.tolist() == [1] and hashes.tolist() == [11]
     assert pool.lookup([11], 1) == []
     pool.check()
 
@@ -229,7 +229,7 @@ def test_pool_matches_the_literal_model(n: int, ops: list[tuple[int, list[int], 
             ref.touch(hit)
             got, _, evicted = pool.allocate(need)
             rgot, revicted = ref.allocate(need)
-            assert got.tolist() == rgot and evicted == revicted
+            assert got.tolist() == rgot and evicted.tolist() == revicted
             blocks = hit + rgot
             full = len(blocks) - (1 if partial and need else 0)
             if full > len(hit):
