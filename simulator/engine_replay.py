@@ -29,7 +29,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple, NoReturn
 
 import msgspec
 import numpy as np
@@ -71,16 +71,14 @@ _line_decoder = msgspec.json.Decoder(_Line)
 _tokens_decoder = msgspec.json.Decoder(_Tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class ReplayRequest:
+class ReplayRequest(NamedTuple):  # (a tuple: built ~3x faster than a frozen dataclass, per line)
     i: int
     line: int  # 1-based, in the requests file
     prompt: npt.NDArray[np.int64]
     max_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class ReplayResult:
+class ReplayResult(NamedTuple):
     i: int
     prompt_tokens: int
     cached_tokens: int
@@ -166,7 +164,9 @@ def iter_requests(
                     if got is None:
                         continue  # a blank line
                     prompt, m, i = got
-                _check_fits(len(prompt), m, lineno, num_blocks, block_size, room)
+                n = len(prompt)
+                if n == 0 or n + m - 1 > room:
+                    _refuse(n, m, lineno, num_blocks, block_size)
                 yield ReplayRequest(k if i is None else i, lineno, prompt, m)
                 k += 1
     finally:
@@ -237,16 +237,17 @@ def _exact_line(
     return prompt, obj.max_tokens, obj.i
 
 
-def _check_fits(n: int, m: int, lineno: int, num_blocks: int, block_size: int, room: int) -> None:
+def _refuse(n: int, m: int, lineno: int, num_blocks: int, block_size: int) -> NoReturn:
+    """An empty prompt, or one whose KV the cache cannot hold (the last output token's is never
+    computed)."""
     if n == 0:
         raise EngineReplayError(lineno, "empty prompt: prompt_token_ids needs at least one token")
-    if n + m - 1 > room:  # the last output token's KV is never computed
-        need = -(-(n + m - 1) // block_size)
-        raise EngineReplayError(
-            lineno,
-            f"{n} prompt + {m} output tokens need {need} blocks of {block_size} tokens; the cache holds "
-            f"{num_blocks - 1} (--num-blocks {num_blocks}, one is the null block)",
-        )
+    need = -(-(n + m - 1) // block_size)
+    raise EngineReplayError(
+        lineno,
+        f"{n} prompt + {m} output tokens need {need} blocks of {block_size} tokens; the cache holds "
+        f"{num_blocks - 1} (--num-blocks {num_blocks}, one is the null block)",
+    )
 
 
 def run(
