@@ -81,12 +81,16 @@ def run(keys: Any, vals: Any, hashes: Any, limit: int, out: Any) -> Any:  # prag
 
 
 @numba.njit(cache=True, nogil=True)
-def put_all(keys: Any, vals: Any, hashes: Any, blocks: Any, first: Any) -> bool:  # pragma: no cover
-    """`put` for each (hash, block); first[k] = the block hashes[k] maps to after it. True when every
-    hash was new (then first == blocks)."""
+def put_all(  # pragma: no cover - compiled
+    keys: Any, vals: Any, hashes: Any, blocks: Any, first: Any, block_hash: Any, hashed: Any
+) -> bool:
+    """`put` for each (hash, block), the block noted as holding it (block_hash, hashed); first[k] =
+    the block hashes[k] maps to after it. True when every hash was new (then first == blocks)."""
     fresh = True
     for k in range(hashes.shape[0]):
         h = hashes[k]
+        block_hash[blocks[k]] = h
+        hashed[blocks[k]] = True
         i = _find(keys, vals, h)
         if i >= 0:
             first[k] = vals[i]
@@ -136,7 +140,7 @@ def warm_up() -> None:
     keys, vals = new_map(2)
     h = np.array([7], dtype=np.uint64)
     b = np.array([1], dtype=np.int64)
-    put_all(keys, vals, h, b, b.copy())
+    put_all(keys, vals, h, b, b.copy(), np.zeros(2, dtype=np.uint64), np.zeros(2, dtype=np.bool_))
     run(keys, vals, h, 1, b.copy())
     put(keys, vals, 9, 1)
     set_block(keys, vals, 9, 1)

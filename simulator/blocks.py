@@ -118,10 +118,8 @@ class BlockPool:
 
     def cache(self, ids: Ids, values: npt.NDArray[np.uint64]) -> None:
         """Blocks `ids` (in use, unhashed) now hold the full blocks named by the hashes `values`."""
-        self.hash[ids] = values
-        self.hashed[ids] = True
         first = np.empty(len(ids), dtype=np.int64)
-        if block_map.put_all(self._keys, self._vals, values, ids, first):
+        if block_map.put_all(self._keys, self._vals, values, ids, first, self.hash, self.hashed):
             return
         for h, b, f in zip(values.tolist(), ids.tolist(), first.tolist(), strict=True):
             if f != b:
@@ -186,15 +184,10 @@ class BlockPool:
     def touch_if_fits(self, ids: Ids, need: int) -> bool:
         """`touch(ids)` if `need` more blocks can then be allocated (hit blocks that sit in the free queue
         use free capacity); False, touching nothing, otherwise."""
-        ref = self.ref[ids]
-        idle = ids[ref == 0]
-        if need + len(idle) > self.num_free:
+        left = free_queue.touch(ids, self.ref, self._stamp, need, self.num_free)
+        if left < 0:
             return False
-        if len(idle):
-            self._stamp[idle] = 0
-            self.num_free -= len(idle)
-        ref += 1
-        self.ref[ids] = ref
+        self.num_free = left
         return True
 
     def touch(self, ids: Ids) -> None:
@@ -218,9 +211,12 @@ class BlockPool:
             return _NO_IDS, _NO_IDS, _NO_HASHES
         ids = np.empty(n, dtype=np.int64)
         evicted = np.empty(n, dtype=np.int64)
+        hashes = np.empty(n, dtype=np.uint64)
+        unmap = not self.dups  # else `_uncache` settles which copy serves lookups
         head, self._flen, nev = free_queue.take(
             self._q, self._stamp, self.ref, self.hashed, self._head, self._tail,
             self._fb, self._fs, self._flen, ids, evicted,
+            self.hash, hashes, self._keys, self._vals, unmap,
         )  # fmt: skip
         if head < 0:
             raise AssertionError("free queue exhausted: num_free is out of step")
@@ -228,8 +224,9 @@ class BlockPool:
         self.num_free -= n
         if not nev:
             return ids, _NO_IDS, _NO_HASHES
-        evicted = evicted[:nev]
-        return ids, evicted, self._uncache(evicted)
+        if not unmap:
+            self._uncache(evicted[:nev])
+        return ids, evicted[:nev], hashes[:nev]
 
     def allocate_one(self) -> tuple[int, int | None]:
         """`allocate(1)` with scalar operations: (block, the hash it held and lost, or None)."""

@@ -145,11 +145,11 @@ def iter_requests(
         while (item := scanned.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            rows, ids = item
+            scanned_rows, ids = item
             if spare is not None and held is not None:
                 spare.put(held)  # every request of the previous slice is done with
             held = ids
-            for row in rows:
+            for row in scanned_rows.tolist():
                 lineno += 1
                 status = row[lines.STATUS]
                 if status == lines.BLANK:
@@ -175,7 +175,7 @@ def iter_requests(
             spare.put(np.zeros(0, dtype=np.int64))  # wakes a scan waiting for a buffer
 
 
-_Scanned = tuple[list[list[int]], npt.NDArray[np.int64]]
+_Scanned = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 _SCAN_FIRST = 256 << 10  # bytes of the file in the first slice (the first request waits for it) ...
 _SCAN_MAX = 8 << 20  # ... doubling up to this (measured: smaller slices cost more handovers)
 _BUFFERS = 4  # with `reuse`: slices of ids in use at once (the caller's, those scanned ahead)
@@ -206,11 +206,10 @@ def _scan_all(
             if ids is None or len(ids) < need:
                 ids = np.empty(max(need, _SCAN_MAX // 2 + 1) if spare is not None else need, dtype=np.int64)
                 made += 1
-            info = np.empty((data.count(b"\n", a, b) + 1, lines.COLUMNS), dtype=np.int64)
-            n, _ = lines.scan(buf, a, b, ids, 0, info, 0)
+            rows = lines.scan_slice(buf, a, b, ids)
             if spare is None:
                 ids.flags.writeable = False  # the prompts are views of it, kept by the caller
-            out.put((info[:n].tolist(), ids))
+            out.put((rows, ids))
             a, size = b, min(2 * size, _SCAN_MAX)
     except BaseException as err:  # handed to the consuming thread, which raises it
         out.put(err)

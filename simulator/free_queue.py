@@ -17,6 +17,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from simulator import block_map
+
 
 @numba.njit(cache=True, nogil=True)
 def take(  # pragma: no cover - compiled
@@ -31,10 +33,17 @@ def take(  # pragma: no cover - compiled
     flen: int,
     out: Any,
     evicted: Any,
+    block_hash: Any,
+    evicted_hashes: Any,
+    map_keys: Any,
+    map_vals: Any,
+    unmap: bool,
 ) -> tuple[int, int, int]:
     """Pop len(out) live blocks into `out` (front stack first, then the FIFO), each now used by one
-    request (ref 1, stamp 0); those still hashed (their cached content is evicted) go to `evicted`.
-    Returns (new head, new front length, evicted count), or head -1 when the queue ran out."""
+    request (ref 1, stamp 0); those still hashed (their cached content is evicted) go to `evicted`,
+    their hashes to `evicted_hashes`, and with `unmap` (no block holds a second copy of anything)
+    they are unhashed and their hashes leave the prefix-cache map here. Returns (new head, new front
+    length, evicted count), or head -1 when the queue ran out."""
     n = out.shape[0]
     k = 0
     while flen > 0 and k < n:
@@ -58,7 +67,11 @@ def take(  # pragma: no cover - compiled
         ref[b] = 1
         if hashed[b]:
             evicted[nev] = b
+            evicted_hashes[nev] = block_hash[b]
             nev += 1
+            if unmap:
+                hashed[b] = False
+                block_map.remove(map_keys, map_vals, block_hash[b])
     return head, flen, nev
 
 
@@ -99,10 +112,35 @@ def give_back(  # pragma: no cover - compiled
     return tail, flen, next_front, freed
 
 
+@numba.njit(cache=True, nogil=True)
+def touch(ids: Any, ref: Any, stamp: Any, need: int, num_free: int) -> int:  # pragma: no cover - compiled
+    """A request takes hit blocks `ids` (distinct), if `need` more blocks can then be allocated (the
+    hit blocks that sit in the free queue leave it, using free capacity): the new free count, or -1
+    (nothing touched) when they do not fit."""
+    idle = 0
+    for i in range(ids.shape[0]):
+        if ref[ids[i]] == 0:
+            idle += 1
+    if need + idle > num_free:
+        return -1
+    for i in range(ids.shape[0]):
+        b = ids[i]
+        if ref[b] == 0:
+            stamp[b] = 0
+        ref[b] += 1
+    return num_free - idle
+
+
 def warm_up() -> None:
     """Compile (or load the cached machine code of) the loops now."""
     z = np.zeros(4, dtype=np.int64)
     ids = np.array([1], dtype=np.int64)
     hashed = np.zeros(4, dtype=np.bool_)
     give_back(ids, np.ones(4, dtype=np.int64), hashed, z, z.copy(), 0, z.copy(), z.copy(), 0, -1)
-    take(z, z.copy(), z.copy(), hashed, 0, 0, z.copy(), z.copy(), 0, np.zeros(0, dtype=np.int64), z.copy())
+    u = np.zeros(4, dtype=np.uint64)
+    keys, vals = block_map.new_map(2)
+    take(
+        z, z.copy(), z.copy(), hashed, 0, 0, z.copy(), z.copy(), 0, np.zeros(0, dtype=np.int64), z.copy(),
+        u, u.copy(), keys, vals, True,
+    )  # fmt: skip
+    touch(ids, z.copy(), z.copy(), 0, 1)

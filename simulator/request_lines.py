@@ -225,6 +225,25 @@ def _scan(  # pragma: no cover - compiled
     return r - first, used - at
 
 
+@numba.njit(cache=True, nogil=True)
+def _count_lines(buf: Any, start: int, stop: int) -> int:  # pragma: no cover - compiled
+    n = 1
+    for q in range(start, stop):
+        if buf[q] == 10:
+            n += 1
+    return n
+
+
+def scan_slice(
+    buf: npt.NDArray[np.uint8], start: int, stop: int, ids: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """`scan` of buf[start:stop] into fresh rows (one per line) and ids[0:]: the rows. The line count
+    is compiled too, so a scanning thread holds the GIL only to call this."""
+    info = np.empty((_count_lines(buf, start, stop), COLUMNS), dtype=np.int64)
+    rows, _ = _scan(buf, start, stop, ids, 0, info, 0, _PROMPT, _MAX)
+    return info[:rows]
+
+
 def scan(
     buf: npt.NDArray[np.uint8], start: int, stop: int, ids: npt.NDArray[np.int64], at: int,
     info: npt.NDArray[np.int64], first: int,
@@ -241,3 +260,4 @@ def warm_up() -> None:
     line = b'{"prompt_token_ids": [1, 2], "max_tokens": 1, "i": null}\n'
     buf = np.frombuffer(line, dtype=np.uint8)
     scan(buf, 0, len(buf), np.empty(len(buf), dtype=np.int64), 0, np.empty((2, COLUMNS), dtype=np.int64), 0)
+    scan_slice(buf, 0, len(buf), np.empty(len(buf), dtype=np.int64))
