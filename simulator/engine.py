@@ -55,8 +55,6 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from epp.types import MetricsSnapshot
 from simulator.events import EventSink, OnEvents
 from simulator.kernel import Handle, Kernel
@@ -68,7 +66,7 @@ from simulator.records import (
     SimRequest,
     TokenIds,
     as_token_array,
-    output_tokens,
+    fed_tokens,
 )
 
 _NONE: frozenset[str] = frozenset()
@@ -152,6 +150,7 @@ class Engine:
         self.steps = 0
         self.preemptions = 0
         self._loras = False  # set once a request names a LoRA adapter
+        self._models = frozenset({cfg.model})
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> RequestRecord:
@@ -172,7 +171,7 @@ class Engine:
                 f"request {request.request_id!r}: {n} prompt + {m} output tokens need {need} blocks of "
                 f"{bs} tokens; the engine has {self.pool.usable} usable blocks"
             )
-        tokens = np.concatenate((prompt, output_tokens(request, m - 1))) if m > 1 else prompt
+        tokens = fed_tokens(request, prompt, m - 1)
         rec = RequestRecord(request, n, self.kernel.now())
         self.waiting.append(self.kv.new_request(rec, tokens))
         if self._span is not None:
@@ -446,18 +445,19 @@ class Engine:
         if self._loras:  # only engines that ever served an adapter walk their queues for it
             running_loras = frozenset(r.lora for r in self.running.values() if r.lora)
             waiting_loras = frozenset(r.lora for r in self.waiting if r.lora)
-        return MetricsSnapshot(
-            observed_at=self.kernel.now() if now is None else now,
-            waiting=len(self.waiting),
-            running=len(self.running),
-            kv_usage=pool.num_used / pool.usable,
-            block_size=self.block_size,
-            num_gpu_blocks=self.config.num_gpu_blocks,
-            prefix_cache_queries=float(self.prefix_cache_queries),
-            prefix_cache_hits=float(self.prefix_cache_hits),
-            models=frozenset({self.config.model}),
-            running_lora_adapters=running_loras,
-            waiting_lora_adapters=waiting_loras,
+        usable = pool.num_blocks - 1
+        return MetricsSnapshot(  # positional (a scrape per engine every 50 ms in the cluster): as named
+            self.kernel.now() if now is None else now,  # observed_at
+            len(self.waiting),  # waiting
+            len(self.running),  # running
+            (usable - pool.num_free) / usable,  # kv_usage
+            self.block_size,  # block_size
+            self.config.num_gpu_blocks,  # num_gpu_blocks
+            float(self.prefix_cache_queries),  # prefix_cache_queries
+            float(self.prefix_cache_hits),  # prefix_cache_hits
+            self._models,  # models
+            running_loras,  # running_lora_adapters
+            waiting_loras,  # waiting_lora_adapters
         )
 
     def probe(

@@ -109,6 +109,26 @@ def output_tokens(request: SimRequest, k: int) -> npt.NDArray[np.int64]:
     return out
 
 
+def fed_tokens(request: SimRequest, prompt: npt.NDArray[np.int64], k: int) -> npt.NDArray[np.int64]:
+    """The prompt followed by the first `k` generated tokens (`output_tokens`): what the engine computes
+    KV for. The prompt itself when k is 0; with pseudo-random outputs, one compiled pass."""
+    if k <= 0:
+        return prompt
+    if request.output_token_ids is not None:
+        return np.concatenate((prompt, output_tokens(request, k)))
+    digest = hashlib.blake2b(request.request_id.encode(), digest_size=8).digest()
+    out = np.empty(len(prompt) + k, dtype=np.int64)
+    _prompt_and_pseudo_ids(prompt, np.uint64(int.from_bytes(digest, "little")), out)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _prompt_and_pseudo_ids(prompt: Any, seed: Any, out: Any) -> None:  # pragma: no cover - compiled
+    n = prompt.shape[0]
+    out[:n] = prompt
+    _pseudo_ids(seed, out[n:])
+
+
 @numba.njit(cache=True, nogil=True)
 def _pseudo_ids(seed: Any, out: Any) -> None:  # pragma: no cover - compiled
     """out[j] = ((j + 1) * _OUT_MUL_INT + seed) >> 47 (mod 2^64): ids in [0, 2^17)."""
@@ -129,6 +149,7 @@ def _has_negative(ids: Any) -> bool:  # pragma: no cover - compiled
 def warm_up() -> None:
     """Compile (or load the cached machine code of) the loops now."""
     _pseudo_ids(np.uint64(1), np.empty(1, dtype=np.int64))
+    _prompt_and_pseudo_ids(np.zeros(1, dtype=np.int64), np.uint64(1), np.empty(2, dtype=np.int64))
     _has_negative(np.zeros(1, dtype=np.int64))
 
 
