@@ -214,27 +214,39 @@ class HashTable:
             if placed.size:
                 self.size += len(placed)
                 self._write(slots[placed], keys[placed], tags[placed], values, placed)
+            if code == cuckoo.NO_ROOM:  # grow for every absent item left, as `_insert` does for a batch
+                absent = nstuck + int(np.count_nonzero(self.find(keys[j:], tags[j:]) < 0))
+                self._grow(self.size + absent)
+                moved = True
+            if nstuck:  # set aside (both buckets full): placed before any later item, which may repeat one
+                moved |= self._settle(stuck[:nstuck], keys, tags, values, slots, new)
+                nstuck = 0
             if code == cuckoo.DONE:
                 break
-            # the load limit: grow for every absent item left, as `_insert` does for a batch
-            absent = nstuck + int(np.count_nonzero(self.find(keys[j:], tags[j:]) < 0))
-            self._grow(self.size + absent)
-            moved = True
             i = j
-        if nstuck:  # both buckets full: relocation or the cuckoo walk (which may move other items)
-            items = stuck[:nstuck]
-            if moved:  # the table grew since they were set aside: some may fit without a walk now
-                items = items[self.find(keys[items], tags[items]) < 0]
-            slot_of, placed, relocated = self._insert(items, keys, tags, values, dedupe=True)
-            new[placed] = True
-            slots[placed] = slot_of[placed]
-            moved |= relocated
-            if not moved:
-                left = items[slots[items] < 0]  # later copies of a placed item
-                slots[left] = self.find(keys[left], tags[left])
         if moved:
             slots = self.find(keys, tags)
         return slots, new, moved
+
+    def _settle(
+        self,
+        items: Index,
+        keys: npt.NDArray[np.uint64],
+        tags: Array,
+        values: Mapping[str, Array],
+        slots: Index,
+        new: npt.NDArray[np.bool_],
+    ) -> bool:
+        """Place absent `items` of an upsert (relocation, the cuckoo walk, growth: `_insert`); a later
+        copy of one of them is not placed again. Returns whether other items moved (then `slots` are
+        stale)."""
+        slot_of, placed, moved = self._insert(items, keys, tags, values, dedupe=True)
+        new[placed] = True
+        slots[placed] = slot_of[placed]
+        if not moved:
+            left = items[slots[items] < 0]  # later copies of a placed item
+            slots[left] = self.find(keys[left], tags[left])
+        return moved
 
     def insert(
         self, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]

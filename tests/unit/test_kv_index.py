@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -1310,6 +1310,13 @@ def test_roomy_tables_double_and_keep_every_item() -> None:
 @given(
     st.lists(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2)), max_size=60), min_size=1, max_size=8),
     st.sampled_from([0.5, 0.92, 1.0]),
+)
+@example(  # an item set aside (both buckets full), then the table full, then its copy: the first one wins
+    [
+        [(k, t) for k in range(12) for t in range(3) if (k, t) not in {(0, 2), (1, 0), (1, 2), (6, 0)}][:29],
+        [(0, 2), (1, 2), (6, 0), (1, 0), (6, 0)],
+    ],
+    1.0,
 )
 def test_upsert_with_repeats_full_buckets_and_growth_against_a_dict(
     batches: list[list[tuple[int, int]]], max_load: float
