@@ -22,7 +22,8 @@ from epp.kvindex.keys import MULT, TOKEN_SEED
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _fmix(x: Any) -> Any:  # pragma: no cover - compiled
+def fmix(x: Any) -> Any:  # pragma: no cover - compiled
+    """`keys.fmix` on a uint64, compiled."""
     x ^= x >> numba.uint64(33)
     x *= numba.uint64(0xFF51AFD7ED558CCD)
     x ^= x >> numba.uint64(33)
@@ -66,13 +67,13 @@ def chain_blocks(  # pragma: no cover - compiled
             first_extra = x
             count = 0
             for _ in range(j * size, end):
-                s = s * mult + _fmix(numba.uint64(tokens[t]) + seed)
+                s = s * mult + fmix(numba.uint64(tokens[t]) + seed)
                 t += 1
                 pend += 1
                 if pend == bs:
                     pend = 0
                     count += 1
-                    extra[x] = _fmix(s)
+                    extra[x] = fmix(s)
                     x += 1
             if pend == 0 and count > 0:
                 x -= 1  # the key its last token ends is implied by its state

@@ -50,19 +50,23 @@ def _probe(tkeys: Any, ttags: Any, count: Any, b: int, key: Any, tag: Any) -> in
     return -1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def find_one(tkeys: Any, ttags: Any, count: Any, nb: int, key: Any, tag: Any) -> tuple[Any, Any, Any]:
+    """(the slot of (key, tag) or -1, its first bucket, its second bucket)."""  # pragma: no cover
+    b1, b2 = _pair(key, tag, nb)
+    s = _probe(tkeys, ttags, count, b1, key, tag)
+    if s < 0:
+        s = _probe(tkeys, ttags, count, b2, key, tag)
+    return s, b1, b2
+
+
 @numba.njit(cache=True, nogil=True)
 def find_run(  # pragma: no cover - compiled
     tkeys: Any, ttags: Any, count: Any, nb: int, keys: Any, tags: Any, out: Any
 ) -> None:
     """out[i]: the slot of (keys[i], tags[i]), or -1."""
     for i in range(keys.shape[0]):
-        key = keys[i]
-        tag = tags[i]
-        b1, b2 = _pair(key, tag, nb)
-        s = _probe(tkeys, ttags, count, b1, key, tag)
-        if s < 0:
-            s = _probe(tkeys, ttags, count, b2, key, tag)
-        out[i] = s
+        out[i] = find_one(tkeys, ttags, count, nb, keys[i], tags[i])[0]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -86,10 +90,7 @@ def upsert_run(  # pragma: no cover - compiled
     for i in range(start, keys.shape[0]):
         key = keys[i]
         tag = tags[i]
-        b1, b2 = _pair(key, tag, nb)
-        s = _probe(tkeys, ttags, count, b1, key, tag)
-        if s < 0:
-            s = _probe(tkeys, ttags, count, b2, key, tag)
+        s, b1, b2 = find_one(tkeys, ttags, count, nb, key, tag)
         if s >= 0:
             slots[i] = s
             continue

@@ -19,7 +19,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from epp.kvindex.cuckoo import _pair, _probe
+from epp.kvindex.block_chain import fmix
+from epp.kvindex.cuckoo import find_one
 
 
 @numba.njit(cache=True, nogil=True)
@@ -43,6 +44,22 @@ def add_owners(  # pragma: no cover - compiled
     return created
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _clear(masks: Any, counts: Any, r: Any, t: Any, p: Any) -> int:  # pragma: no cover - compiled
+    """Clear pod p's bit on tier t of block row r: 0 when it was not set, 1 when it was, 2 when the
+    row then holds no bit on any tier."""
+    bit = numba.uint32(1) << numba.uint32(p & 31)
+    m = masks[t]
+    if not m[r] & bit:
+        return 0
+    m[r] &= ~bit
+    counts[p, t] -= 1
+    held = numba.uint32(0)
+    for col in masks:
+        held |= col[r]
+    return 2 if held == 0 else 1
+
+
 @numba.njit(cache=True, nogil=True)
 def drop_owners(  # pragma: no cover - compiled
     masks: Any, rows: Any, pods: Any, tiers: Any, counts: Any, emptied: Any
@@ -55,31 +72,12 @@ def drop_owners(  # pragma: no cover - compiled
         r = rows[i]
         if r < 0:
             continue
-        t = tiers[i]
-        p = pods[i]
-        bit = numba.uint32(1) << numba.uint32(p & 31)
-        m = masks[t]
-        if not m[r] & bit:
-            continue
-        m[r] &= ~bit
-        counts[p, t] -= 1
-        removed += 1
-        held = numba.uint32(0)
-        for col in masks:
-            held |= col[r]
-        if held == 0:
+        cleared = _clear(masks, counts, r, tiers[i], pods[i])
+        removed += cleared > 0
+        if cleared == 2:
             emptied[k] = r
             k += 1
     return removed, k
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _fmix(x: Any) -> Any:  # pragma: no cover - compiled
-    x ^= x >> numba.uint64(33)
-    x *= numba.uint64(0xFF51AFD7ED558CCD)
-    x ^= x >> numba.uint64(33)
-    x *= numba.uint64(0xC4CEB9FE1A85EC53)
-    return x ^ (x >> numba.uint64(33))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -124,22 +122,11 @@ def remove_units(  # pragma: no cover - compiled
         units[pod] -= 1
         used += nk if nk > 1 else 1
         if nk > 0 and (v & numba.uint32(0xFF)) == 0:  # the record's key, implied by its state
-            key = _fmix(state[s])
-            chunk = pod >> 5
-            b1, b2 = _pair(key, chunk, nb)
-            r = _probe(bkeys, btags, bcount, b1, key, chunk)
-            if r < 0:
-                r = _probe(bkeys, btags, bcount, b2, key, chunk)
-            bit = numba.uint32(1) << numba.uint32(pod & 31)
-            m = masks[t]
-            if r >= 0 and m[r] & bit:
-                m[r] &= ~bit
-                counts[pod, t] -= 1
-                removed += 1
-                held = numba.uint32(0)
-                for col in masks:
-                    held |= col[r]
-                if held == 0:
+            r = find_one(bkeys, btags, bcount, nb, fmix(state[s]), pod >> 5)[0]
+            if r >= 0:
+                cleared = _clear(masks, counts, r, t, pod)
+                removed += cleared > 0
+                if cleared == 2:
                     emptied[nempty] = r
                     nempty += 1
         stamps[t][s] = numba.uint32(0xFFFFFFFF)
