@@ -123,11 +123,7 @@ class BlockPool:
             return
         for h, b, f in zip(values.tolist(), ids.tolist(), first.tolist(), strict=True):
             if f != b:
-                copies = self.dups.get(h)
-                if copies is None:
-                    self.dups[h] = [f, b]
-                else:
-                    copies.append(b)
+                self._another_copy(h, f, b)
 
     def cache_one(self, b: int, h: int) -> None:
         """`cache` for a single block (a decode filling it): scalar operations only."""
@@ -135,11 +131,15 @@ class BlockPool:
         self.hashed[b] = True
         first = block_map.put(self._keys, self._vals, np.uint64(h), b)
         if first != b:
-            copies = self.dups.get(h)
-            if copies is None:
-                self.dups[h] = [first, b]
-            else:
-                copies.append(b)
+            self._another_copy(h, first, b)
+
+    def _another_copy(self, h: int, first: int, b: int) -> None:
+        """Block `b` holds `h` too; lookups keep using `first`, the copy cached first."""
+        copies = self.dups.get(h)
+        if copies is None:
+            self.dups[h] = [first, b]
+        else:
+            copies.append(b)
 
     def _uncache_one(self, b: int) -> int:
         h: int = self.hash.item(b)
