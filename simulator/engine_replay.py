@@ -1,5 +1,6 @@
 """`epp-sim engine-replay`: requests run one at a time on one simulated engine, as a real vLLM would run
-them, reporting each request's `cached_tokens` and (optionally) the KV events. Pure: text in, lines out.
+them, reporting each request's `cached_tokens` and (optionally) the KV events. No I/O: text in, lines
+out (a second thread reads the text ahead; the results do not depend on it).
 
 Input: JSONL, one object per non-blank line, `{"prompt_token_ids": [...], "max_tokens": N, "i": ...}`
 (`i` optional: the 0-based index among non-blank lines). A bad line raises `EngineReplayError` with
