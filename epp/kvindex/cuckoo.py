@@ -3,7 +3,7 @@
 `upsert_run` takes items in order: a present one gets its slot; an absent one goes into the emptier of
 its two buckets (the first on a tie), as `HashTable._insert` places an item, and a later copy of it in
 the same batch then finds it. Items whose buckets are both full are set aside for the caller to
-settle in one vectorised call (relocation, the cuckoo walk and growth stay in `table.py`), and it
+settle in one vectorised call (relocation, the cuckoo walk and growth: `table_growth.py`), and it
 stops when the table reaches its load limit (`room` inserts left). `find_run` is the plain probe of
 both buckets. The hashing is `table.HashTable._pair`'s (`keys.fmix` of key ^ tag * constant), as in
 `prefix_walk._walk`.
@@ -162,7 +162,7 @@ def split_run(  # pragma: no cover - compiled
     dest: Any,
     left: Any,
 ) -> tuple[int, int]:
-    """Double a table (`HashTable._split`), old buckets lo..hi - 1: the item in slot j of old bucket b
+    """Double a table (`table_growth.split`), old buckets lo..hi - 1: the item in slot j of old bucket b
     goes to new bucket 2b or 2b + 1, the same choice (first or second) of its pair; items whose pair was
     adjusted (equal choices) are left for the caller (`left`). Moves keys and tags; the caller moves
     the columns, src[:moved] to dest[:moved]. Returns (moved, left)."""

@@ -1,20 +1,21 @@
 """A bucketized cuckoo hash table over numpy arrays: (uint64 key, small tag) -> slot. Pure.
 
 Every item has two candidate buckets of `BUCKET` slots, both derived from one 64-bit mix of key and tag.
-A lookup reads at most two buckets (two contiguous runs of slots), so batched lookups are a fixed
-number of numpy operations, whatever the load; the table runs at up to 90 % load (memory is the point).
-The occupied slots of a bucket are always its first `count[b]`: a deletion moves the bucket's last
-item into the hole. Payload columns (named 1-D arrays) move with their items, so a slot number is only
+A lookup reads at most two buckets (two contiguous runs of slots); the table runs at up to 92 % load
+(memory is the point). The occupied slots of a bucket are always its first `count[b]`: a deletion
+compacts the bucket. Payload columns (named 1-D arrays) move with their items, so a slot number is only
 valid until the next insert or delete of the same table.
 
 Tags are unsigned ints of a fixed dtype; the dtype's maximum marks an empty slot and is never a valid
-tag. Inserting keeps a batch vectorised: each item goes to the emptier of its two buckets, then to the
-other one; the few left (both buckets full) take the classic cuckoo walk, one at a time, and a walk
-that fails grows the table (by `growth`) and rehashes everything.
+tag. Inserting, finding and deleting are compiled loops (`cuckoo.py`): an item goes to the emptier of
+its two buckets; the few whose buckets are both full take a vectorised cuckoo step and then the classic
+walk, one at a time, and a walk that fails grows the table (`table_growth.py`). The batched read probe
+for many items at once is `probe.py`.
 
 Growth. A large table runs at up to `max_load` and grows by `growth` (memory is the point). One holding
 fewer than `roomy_until` items runs at up to `roomy_load` and doubles: inserts rarely meet a full bucket,
-and doubling needs no rehash (`_split`), so growing from empty costs one move per item, not 1 / (growth - 1).
+and doubling needs no rehash (`table_growth.split`), so growing from empty costs one move per item, not
+1 / (growth - 1).
 """
 
 from __future__ import annotations
@@ -26,14 +27,11 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import cuckoo, probe
+from epp.kvindex import cuckoo, probe, table_growth
 from epp.kvindex.keys import MASK64, fmix_array
 from epp.kvindex.probe import _LOW32, _TAG_MUL, _U32, _U_TAG_MUL, BUCKET, Array, Bools, Index
 
 _SLOTS: Final = np.arange(BUCKET)
-_MAX_KICKS: Final = 256
-_RELOCATE_ROUNDS: Final = 8
-_REHASH_ITEMS: Final = 1 << 20
 
 _MMAP_BYTES: Final = 1 << 20
 
@@ -216,7 +214,7 @@ class HashTable:
                 self._write(slots[placed], keys[placed], tags[placed], values, placed)
             if code == cuckoo.NO_ROOM:  # grow for every absent item left, as `_insert` does for a batch
                 absent = nstuck + int(np.count_nonzero(self.find(keys[j:], tags[j:]) < 0))
-                self._grow(self.size + absent)
+                table_growth.grow(self, self.size + absent)
                 moved = True
             if nstuck:  # set aside (both buckets full): placed before any later item, which may repeat one
                 moved |= self._settle(stuck[:nstuck], keys, tags, values, slots, new)
@@ -274,7 +272,7 @@ class HashTable:
         moved = False
         after = self.size + len(items)
         if after > (self.roomy_load if after < self.roomy_until else self.max_load) * self.capacity:
-            self._grow(after)
+            table_growth.grow(self, after)
             moved = True
             pairs = None
         b1, b2 = pairs if pairs is not None else self._pairs(keys[items], tags[items])
@@ -308,10 +306,10 @@ class HashTable:
                     h = fmix_array(keys[stuck] ^ (tags[stuck].astype(np.uint64) * _U_TAG_MUL))
                     _, first = np.unique(h, return_index=True)
                     stuck = stuck[np.sort(first)]
-                for _ in range(_RELOCATE_ROUNDS):
+                for _ in range(table_growth.RELOCATE_ROUNDS):
                     if stuck.size == 0:
                         break
-                    ok = self._relocate(stuck, keys, tags, values)
+                    ok = table_growth.relocate(self, stuck, keys, tags, values)
                     if not ok.any():
                         break
                     moved = True
@@ -319,53 +317,11 @@ class HashTable:
                     stuck = stuck[~ok]
                 for i in stuck.tolist():
                     row = {name: values[name][i] for name in values}
-                    moved |= self._cuckoo(int(keys[i]), int(tags[i]), row)
+                    moved |= table_growth.cuckoo(self, int(keys[i]), int(tags[i]), row)
                 placed.append(stuck)
                 if moved and todo.size:  # bucket numbers may have changed (rehash)
                     b1, b2 = self._pairs(keys[items], tags[items])
         return slot_of, np.concatenate([np.zeros(0, dtype=np.intp), *placed]), moved
-
-    def _relocate(
-        self, todo: Index, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]
-    ) -> npt.NDArray[np.bool_]:
-        """One vectorised cuckoo step for items whose buckets are both full: move an occupant of one
-        of them to its other bucket when that has room, and take its slot. Returns the items placed."""
-        b1, b2 = self._pairs(keys[todo], tags[todo])
-        cand = np.concatenate([b1[:, None] * BUCKET + _SLOTS, b2[:, None] * BUCKET + _SLOTS], axis=1)
-        flat = cand.ravel()
-        o1, o2 = self._pairs(self.keys[flat], self.tags[flat])
-        home = flat // BUCKET
-        alt = np.where(o1 == home, o2, o1).reshape(cand.shape)
-        free = self.count[alt] < BUCKET
-        choice = free.argmax(axis=1)
-        rows = np.flatnonzero(free[np.arange(len(todo)), choice])
-        vslot = cand[rows, choice[rows]]
-        valt = alt[rows, choice[rows]]
-        _, keep = np.unique(vslot, return_index=True)  # two items may pick the same occupant
-        keep.sort()
-        rows, vslot, valt = rows[keep], vslot[keep], valt[keep]
-        order = np.argsort(valt, kind="stable")
-        sv = valt[order]
-        start = np.r_[True, sv[1:] != sv[:-1]]
-        first_pos = np.maximum.accumulate(np.where(start, np.arange(len(sv)), 0))
-        rank = np.empty(len(sv), dtype=np.intp)
-        rank[order] = np.arange(len(sv)) - first_pos
-        used = self.count[valt].astype(np.intp)
-        ok = rank < BUCKET - used
-        rows, vslot, valt = rows[ok], vslot[ok], valt[ok]
-        dest = valt * BUCKET + used[ok] + rank[ok]
-        self.keys[dest] = self.keys[vslot]
-        self.tags[dest] = self.tags[vslot]
-        for col in self.cols.values():
-            col[dest] = col[vslot]
-        grp, cnt = np.unique(valt, return_counts=True)
-        self.count[grp] += cnt.astype(np.uint8)
-        items = todo[rows]
-        self._write(vslot, keys[items], tags[items], values, items, empty=False)
-        placed = np.zeros(len(todo), dtype=bool)
-        placed[rows] = True
-        self.size += len(rows)
-        return placed
 
     def _write(
         self,
@@ -387,116 +343,6 @@ class HashTable:
                 col[at] = v[src]
             elif not empty:
                 col[at] = self.specs[name][1]
-
-    def _cuckoo(self, key: int, tag: int, row: dict[str, Any]) -> bool:
-        """Place one item whose buckets are both full by a cuckoo walk; True when other items moved."""
-        for step in range(_MAX_KICKS):
-            b1, b2 = self._pair(key, tag)
-            for b in (b1, b2):
-                if self.count[b] < BUCKET:
-                    at = b * BUCKET + int(self.count[b])
-                    self.keys[at], self.tags[at] = key, tag
-                    for name, col in self.cols.items():
-                        col[at] = row.get(name, self.specs[name][1])
-                    self.count[b] += 1
-                    self.size += 1
-                    return step > 0
-            b = b1 if step % 2 == 0 else b2
-            at = b * BUCKET + (step * 5 + 3) % BUCKET
-            old_key, old_tag = int(self.keys[at]), int(self.tags[at])
-            old_row = {name: col[at] for name, col in self.cols.items()}
-            self.keys[at], self.tags[at] = key, tag
-            for name, col in self.cols.items():
-                col[at] = row.get(name, self.specs[name][1])
-            key, tag, row = old_key, old_tag, old_row
-        # The walk failed: grow, rehash, and place the item still in hand.
-        self._grow(self.size + 1)
-        vals = {name: np.array([v], dtype=self.specs[name][0]) for name, v in row.items()}
-        self.insert(np.array([key], dtype=np.uint64), np.array([tag], dtype=self.tag_dtype), vals)
-        return True
-
-    def _grow(self, items: int) -> None:
-        """Grow so that `items` fit: roomy tables double (see Growth), others grow by `growth` at least (so
-        the load right after is max_load / growth)."""
-        if items < self.roomy_until:
-            if items <= self.roomy_load * 2 * self.capacity:
-                self._split()
-            else:
-                self._rehash(int(items / (self.roomy_load * BUCKET)) + 1)
-            return
-        self._rehash(max(int(self.nb * self.growth) + 1, int(items / (self.max_load * BUCKET)) + 1))
-
-    def _split(self) -> None:
-        """Double the buckets. An item in bucket b (its first or second choice) has the same choice among
-        buckets 2b and 2b + 1 of the new table (bucket numbers are (32-bit hash * buckets) >> 32): each old
-        bucket splits into two without overflow (`cuckoo.split_run`). Items whose pair was adjusted (equal
-        choices) go last."""
-        old_keys, old_tags, old_count, old_cols, old_nb = self.keys, self.tags, self.count, self.cols, self.nb
-        self._alloc(2 * old_nb)
-        step = max(1, _REHASH_ITEMS // BUCKET)  # old buckets at a time: bounded temporaries
-        room = min(step, old_nb) * BUCKET
-        src = np.empty(room, dtype=np.intp)
-        dest = np.empty(room, dtype=np.intp)
-        left = np.empty(room, dtype=np.intp)
-        rest: list[Index] = []
-        for lo in range(0, old_nb, step):
-            moved, nleft = cuckoo.split_run(
-                old_keys, old_tags, old_count, old_nb, lo, min(old_nb, lo + step),
-                self.keys, self.tags, self.count, src, dest, left,
-            )  # fmt: skip
-            for name, col in self.cols.items():
-                col[dest[:moved]] = old_cols[name][src[:moved]]
-            self.size += moved
-            if nleft:
-                rest.append(left[:nleft].copy())
-        if rest:
-            slots = np.concatenate(rest)
-            self._bulk(old_keys[slots], old_tags[slots], {name: col[slots] for name, col in old_cols.items()})
-
-    def _rehash(self, buckets: int) -> None:
-        """Move everything into a table of `buckets` buckets, a slice of the old one at a time (bounded
-        temporaries)."""
-        old_keys, old_tags, old_count, old_cols = self.keys, self.tags, self.count, self.cols
-        old_nb = self.nb
-        self._alloc(buckets)
-        step = max(1, _REHASH_ITEMS // BUCKET)
-        for lo in range(0, old_nb, step):
-            hi = min(old_nb, lo + step)
-            occ = lo * BUCKET + np.flatnonzero(_SLOTS[None, :] < old_count[lo:hi, None])
-            values = {name: col[occ] for name, col in old_cols.items()}
-            self._bulk(old_keys[occ], old_tags[occ], values)
-
-    def _bulk(self, keys: npt.NDArray[np.uint64], tags: Array, values: Mapping[str, Array]) -> None:
-        """Place distinct, absent items in a table with room for them (rehash): by sorting on the target
-        bucket, first bucket then second, then the cuckoo steps for the rest."""
-        b1, b2 = self._pairs(keys, tags)
-        todo = np.arange(len(keys))
-        for choice in (b1, b2):
-            if todo.size == 0:
-                break
-            tgt = choice[todo]
-            order = np.argsort(tgt, kind="stable")
-            st = tgt[order]
-            start = np.r_[True, st[1:] != st[:-1]]
-            rank = np.arange(len(st)) - np.maximum.accumulate(np.where(start, np.arange(len(st)), 0))
-            used = self.count[st].astype(np.intp)
-            ok = rank < BUCKET - used
-            put = todo[order[ok]]
-            self._write(st[ok] * BUCKET + used[ok] + rank[ok], keys[put], tags[put], values, put)
-            grp = st[ok][start[ok]]
-            sizes = np.diff(np.r_[np.flatnonzero(start[ok]), ok.sum()])
-            self.count[grp] += sizes.astype(np.uint8)
-            self.size += len(put)
-            todo = todo[order[~ok]]
-        for _ in range(_RELOCATE_ROUNDS):
-            if todo.size == 0:
-                return
-            placed = self._relocate(todo, keys, tags, values)
-            if not placed.any():
-                break
-            todo = todo[~placed]
-        for i in todo.tolist():
-            self._cuckoo(int(keys[i]), int(tags[i]), {name: values[name][i] for name in values})
 
     # -- delete --------------------------------------------------------------------------
     def delete(self, slots: Index) -> None:
