@@ -248,7 +248,7 @@ class Holdings:
         """Add (+1) or drop (-1) one owner of (key, pod, tier) per item. An entry exists while it has an
         owner: its pod's bit in the tier's mask of the `blocks` row; owners beyond the first are counted
         in `multi`. Returns the entries created or removed. The compiled loops (`ownership.py`) do the
-        masks; a removal while `multi` holds anything takes the vectorised path (`_own_batch`)."""
+        masks; a removal while `multi` holds anything takes the vectorised path (`ownership.own_batch`)."""
         tags = (pods >> CHUNK_BITS).astype(np.uint16)
         if sign > 0:
             rows, _ = self.blocks.upsert(keys, tags, {})
@@ -261,7 +261,7 @@ class Holdings:
             self.entries += created
             return int(created)
         if self.multi.size:
-            return self._own_batch(keys, pods, tiers, tags, sign)
+            return ownership.own_batch(self, keys, pods, tiers, tags, sign)
         rows = self.blocks.find(keys, tags)
         emptied = np.empty(len(rows), dtype=np.intp)
         removed, k = ownership.drop_owners(self._masks(), rows, pods, tiers, self.counts, emptied)
@@ -272,66 +272,6 @@ class Holdings:
     def _masks(self) -> tuple[npt.NDArray[np.uint32], ...]:
         cols = self.blocks.cols
         return tuple(cols[f"m{t}"] for t in range(self.ntiers))
-
-    def _own_batch(
-        self, keys: U64, pods: Index, tiers: Index, tags: npt.NDArray[np.uint16], sign: int
-    ) -> int:
-        """`_own` for a whole batch at once, with vectorised calls (repeats merged by sorting)."""
-        if sign > 0:
-            rows, _ = self.blocks.upsert(keys, tags, {})
-        else:
-            rows = self.blocks.find(keys, tags)
-            ok = rows >= 0  # always, unless the tables disagree
-            keys, pods, tiers, rows = keys[ok], pods[ok], tiers[ok], rows[ok]
-        ids = (rows * MAX_TIERS + tiers) * 32 + (pods & 31)  # one per (key, pod, tier)
-        ids.sort(kind="stable")  # (faster than the default here) items naming one entry are alike: keep one
-        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-        owners = np.diff(np.r_[starts, len(ids)])  # how many items name each entry
-        ids = ids[starts]
-        rows = ids // (MAX_TIERS * 32)
-        tiers = (ids // 32) % MAX_TIERS
-        pods = (self.blocks.tags[rows].astype(np.intp) << CHUNK_BITS) | (ids & 31)
-        keys = self.blocks.keys[rows]
-        bits = np.left_shift(np.uint32(1), (pods & 31).astype(np.uint32))
-        present = np.flatnonzero(np.bincount(tiers, minlength=self.ntiers)).tolist()
-        by_tier = [(self.blocks.cols[f"m{t}"], tiers == t) for t in present]
-        had = np.zeros(len(rows), dtype=bool)
-        for mask, sel in by_tier:
-            had[sel] = (mask[rows[sel]] & bits[sel]) != 0
-        multi_tags = (pods | (tiers << 16)).astype(np.uint32)
-        if sign > 0:
-            extra = owners - 1 + had
-            changed = ~had
-            for mask, sel in by_tier:
-                np.bitwise_or.at(mask, rows[sel & changed], bits[sel & changed])
-            more = np.flatnonzero(extra)
-            if more.size:
-                at, _ = self.multi.upsert(keys[more], multi_tags[more], {})
-                self.multi.cols["n"][at] += extra[more].astype(np.uint32)
-        else:
-            extra = np.zeros(len(rows), dtype=np.int64)
-            at = np.full(len(rows), -1, dtype=np.intp)
-            if self.multi.size:
-                at = self.multi.find(keys, multi_tags)
-                extra[at >= 0] = self.multi.cols["n"][at[at >= 0]]
-            left = 1 + extra - owners  # owners still there
-            changed = left <= 0
-            for mask, sel in by_tier:
-                np.bitwise_and.at(mask, rows[sel & changed], ~bits[sel & changed])
-            has = np.flatnonzero(at >= 0)
-            if has.size:
-                self.multi.cols["n"][at[has]] = np.maximum(left[has] - 1, 0).astype(np.uint32)
-                self.multi.delete(at[has][left[has] <= 1])
-            emptied = rows[changed]
-            held = np.zeros(len(emptied), dtype=np.uint32)
-            for t in range(self.ntiers):
-                held |= self.blocks.cols[f"m{t}"][emptied]
-            self.blocks.delete(emptied[held == 0])
-        n = np.bincount(pods[changed] * MAX_TIERS + tiers[changed], minlength=len(self.units) * MAX_TIERS)
-        self.counts += sign * n.reshape(len(self.units), MAX_TIERS)
-        created = int(changed.sum())
-        self.entries += sign * created
-        return created
 
     # -- remove ------------------------------------------------------------------------
     def remove_copies(self, slots: Index, tiers: Index) -> int:

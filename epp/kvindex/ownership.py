@@ -1,4 +1,4 @@
-"""The compiled loops of `Holdings._own`: one owner of (key, pod, tier) added or dropped per item. Pure.
+"""Owners of index entries: `Holdings._own` and the removal of units, as compiled loops. Pure.
 
 An entry is its pod's bit in the tier's mask of the key's `blocks` row (`holdings.py`). `add_owners`
 sets the bit of each item, or, when it is already set (another owner, or an earlier item of the same
@@ -8,19 +8,28 @@ anything) and reports the rows left with no bit in any tier, for the caller to d
 per-(pod, tier) entry counts. Items are taken in order, which gives the batch semantics of the
 vectorised version (an entry named twice gains one bit and one extra owner, or loses its bit once).
 
-Compiled with numba (`docs/architecture.md`, "Compiled loops"): the vectorised version sorted the
-batch's (row, tier, pod) ids to merge repeats, ~25 numpy calls per flush.
+`remove_units` removes whole units in the common case (records that own only their implicit key).
+`own_batch` is the vectorised version of `Holdings._own` (it sorts the batch's (row, tier, pod) ids to
+merge repeats, ~25 numpy calls per flush): the path while `multi` holds anything, and the reference the
+loops are tested against.
+
+Compiled with numba (`docs/architecture.md`, "Compiled loops").
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numba
 import numpy as np
+import numpy.typing as npt
 
 from epp.kvindex.block_chain import fmix
 from epp.kvindex.cuckoo import find_one
+
+if TYPE_CHECKING:
+    from epp.kvindex.holdings import U64, Holdings
+    from epp.kvindex.probe import Index
 
 
 @numba.njit(cache=True, nogil=True)
@@ -136,6 +145,70 @@ def remove_units(  # pragma: no cover - compiled
             gone[ngone] = s
             ngone += 1
     return removed, used, ngone, nempty
+
+
+def own_batch(
+    h: Holdings, keys: U64, pods: Index, tiers: Index, tags: npt.NDArray[np.uint16], sign: int
+) -> int:
+    """`Holdings._own` for a whole batch at once, with vectorised calls (repeats merged by sorting):
+    the path while `multi` holds anything, and the reference the loops above are tested against."""
+    from epp.kvindex.holdings import CHUNK_BITS, MAX_TIERS  # (holdings imports this module)
+
+    if sign > 0:
+        rows, _ = h.blocks.upsert(keys, tags, {})
+    else:
+        rows = h.blocks.find(keys, tags)
+        ok = rows >= 0  # always, unless the tables disagree
+        keys, pods, tiers, rows = keys[ok], pods[ok], tiers[ok], rows[ok]
+    ids = (rows * MAX_TIERS + tiers) * 32 + (pods & 31)  # one per (key, pod, tier)
+    ids.sort(kind="stable")  # (faster than the default here) items naming one entry are alike: keep one
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    owners = np.diff(np.r_[starts, len(ids)])  # how many items name each entry
+    ids = ids[starts]
+    rows = ids // (MAX_TIERS * 32)
+    tiers = (ids // 32) % MAX_TIERS
+    pods = (h.blocks.tags[rows].astype(np.intp) << CHUNK_BITS) | (ids & 31)
+    keys = h.blocks.keys[rows]
+    bits = np.left_shift(np.uint32(1), (pods & 31).astype(np.uint32))
+    present = np.flatnonzero(np.bincount(tiers, minlength=h.ntiers)).tolist()
+    by_tier = [(h.blocks.cols[f"m{t}"], tiers == t) for t in present]
+    had = np.zeros(len(rows), dtype=bool)
+    for mask, sel in by_tier:
+        had[sel] = (mask[rows[sel]] & bits[sel]) != 0
+    multi_tags = (pods | (tiers << 16)).astype(np.uint32)
+    if sign > 0:
+        extra = owners - 1 + had
+        changed = ~had
+        for mask, sel in by_tier:
+            np.bitwise_or.at(mask, rows[sel & changed], bits[sel & changed])
+        more = np.flatnonzero(extra)
+        if more.size:
+            at, _ = h.multi.upsert(keys[more], multi_tags[more], {})
+            h.multi.cols["n"][at] += extra[more].astype(np.uint32)
+    else:
+        extra = np.zeros(len(rows), dtype=np.int64)
+        at = np.full(len(rows), -1, dtype=np.intp)
+        if h.multi.size:
+            at = h.multi.find(keys, multi_tags)
+            extra[at >= 0] = h.multi.cols["n"][at[at >= 0]]
+        left = 1 + extra - owners  # owners still there
+        changed = left <= 0
+        for mask, sel in by_tier:
+            np.bitwise_and.at(mask, rows[sel & changed], ~bits[sel & changed])
+        has = np.flatnonzero(at >= 0)
+        if has.size:
+            h.multi.cols["n"][at[has]] = np.maximum(left[has] - 1, 0).astype(np.uint32)
+            h.multi.delete(at[has][left[has] <= 1])
+        emptied = rows[changed]
+        held = np.zeros(len(emptied), dtype=np.uint32)
+        for t in range(h.ntiers):
+            held |= h.blocks.cols[f"m{t}"][emptied]
+        h.blocks.delete(emptied[held == 0])
+    n = np.bincount(pods[changed] * MAX_TIERS + tiers[changed], minlength=len(h.units) * MAX_TIERS)
+    h.counts += sign * n.reshape(len(h.units), MAX_TIERS)
+    created = int(changed.sum())
+    h.entries += sign * created
+    return created
 
 
 def warm_up(ntiers: int = 1) -> None:

@@ -1351,10 +1351,11 @@ def test_upsert_with_repeats_full_buckets_and_growth_against_a_dict(
 def test_the_compiled_owner_loops_equal_the_vectorised_batch_and_a_multiset(
     batches: list[tuple[bool, list[int]]],
 ) -> None:
-    """`Holdings._own` (compiled loops, vectorised when `multi` holds anything) and `_own_batch` give the
+    """`Holdings._own` (compiled loops, vectorised when `multi` holds anything) and `own_batch` give the
     same masks, counts and extra owners; an entry exists exactly while it has an owner."""
     from collections import Counter
 
+    from epp.kvindex import ownership
     from epp.kvindex.holdings import Holdings
 
     compiled, batch = Holdings(16), Holdings(16)
@@ -1381,7 +1382,7 @@ def test_the_compiled_owner_loops_equal_the_vectorised_batch_and_a_multiset(
         sign = 1 if add else -1
         made = compiled._own(keys, pods, tiers, sign)
         tags = (pods >> 5).astype(np.uint16)
-        assert made == batch._own_batch(keys, pods, tiers, tags, sign)
+        assert made == ownership.own_batch(batch, keys, pods, tiers, tags, sign)
         for it in items:
             owners[it] += sign
         owners = +owners
