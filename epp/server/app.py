@@ -228,7 +228,8 @@ class EppServer:
         estimate.warm_up()
         cuckoo.warm_up()
         block_chain.warm_up()
-        ownership.warm_up()  # for one tier (gpu); each new number of tiers compiles once
+        for ntiers in (1, 2, 3):  # gpu, + cpu, + storage: a new number of tiers compiles its own code
+            ownership.warm_up(ntiers)
         if self.discovery is not None:
             await self.discovery.start()  # bad credentials fail here, before anything listens
         creds = self._credentials()
