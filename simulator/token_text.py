@@ -1,64 +1,24 @@
 """A JSON list of token ids, as text, to an int64 array in one compiled pass. Pure.
 
-`engine-replay` reads prompts of thousands of ids per line; its parser (`engine_replay.parse_requests`)
-hands the raw text of each `prompt_token_ids` list (JSON that msgspec has already checked) to
-`parse_ids`. The common case, non-negative integers separated by commas and whitespace, is converted
-here at about a byte per nanosecond; anything else (a sign, a fraction or exponent, a string, a nested
-list, an id beyond int64) returns None so that the caller takes the exact path, which names the problem.
+`engine-replay` reads most lines with `request_lines.scan`; a line outside its strict shape is decoded
+by msgspec with the token list kept raw, and `IdReader.read` converts that raw list (JSON msgspec has
+already checked) with the same compiled id loop (`request_lines._ids`), into shared arenas. Anything
+but non-negative integers that fit in int64 (a sign, a fraction or exponent, a string, a nested list)
+gives None, so that the caller takes the exact path, which names the problem.
 
-Compiled with numba (`docs/architecture.md`, "Compiled loops"): numpy's text parser took ~2.5x as long
-and needed a separate scan of the text for characters other than digits.
+Compiled with numba (`docs/architecture.md`, "Compiled loops").
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any
 
 import msgspec
 import numba
 import numpy as np
 import numpy.typing as npt
 
-_INT64_MAX: Final = int(np.iinfo(np.int64).max)
-
-
-@numba.njit(cache=True, nogil=True)
-def _parse(text: npt.NDArray[np.uint8], out: npt.NDArray[np.int64]) -> int:
-    """Ids of the JSON list `text` into `out` (room for (len + 1) // 2); their number, or -1 when the
-    list holds anything but non-negative integers that fit in int64."""
-    n = len(text)
-    if n < 2 or text[0] != 91 or text[n - 1] != 93:  # [ ... ]
-        return -1
-    limit = (_INT64_MAX - 9) // 10  # below it, v * 10 + digit cannot overflow
-    count = 0
-    v = 0
-    digits = 0
-    spaced = False  # whitespace after the current number's digits
-    for k in range(1, n - 1):
-        c = text[k]
-        if 48 <= c <= 57:  # 0-9
-            if spaced or (v > limit and v > (_INT64_MAX - (c - 48)) // 10):
-                return -1
-            v = v * 10 + (c - 48)
-            digits += 1
-        elif c == 44:  # ,
-            if digits == 0:
-                return -1
-            out[count] = v
-            count += 1
-            v = 0
-            digits = 0
-            spaced = False
-        elif c == 32 or c == 9 or c == 10 or c == 13:  # whitespace (JSON's four)
-            spaced = digits > 0
-        else:
-            return -1
-    if digits:
-        out[count] = v
-        count += 1
-    elif count:  # a trailing comma: not JSON (msgspec would not have passed it)
-        return -1
-    return count
+from simulator.request_lines import _ids, _ws
 
 
 class IdReader:
@@ -81,7 +41,7 @@ class IdReader:
             self._arena = np.empty(max(self.arena_ids, room), dtype=np.int64)
             self._used = 0
         start = self._used
-        n = _parse(buf, self._arena[start:])
+        n = _list(buf, self._arena, start)
         if n < 0:
             return None
         self._used = start + n
@@ -90,11 +50,20 @@ class IdReader:
         return view
 
 
-def parse_ids(text: bytes | memoryview | msgspec.Raw) -> npt.NDArray[np.int64] | None:
-    """`IdReader.read` for one list, in an array of its own."""
-    return IdReader(0).read(text)
+@numba.njit(cache=True, nogil=True)
+def _list(text: Any, out: Any, at: int) -> int:  # pragma: no cover - compiled
+    """The ids of the JSON list `text` (the whole of it) into out[at:] (room for (len + 1) // 2):
+    their number, or -1 (the id loop is `request_lines._ids`)."""
+    n = text.shape[0]
+    if n < 2 or text[0] != 91:  # [
+        return -1
+    p = _ws(text, 1, n)
+    if p == n - 1 and text[p] == 93:  # []
+        return 0
+    count, q = _ids(text, p, n, out, at)
+    return count if count >= 0 and _ws(text, q, n) == n else -1
 
 
 def warm_up() -> None:
     """Compile (or load the cached machine code of) the parser now."""
-    parse_ids(b"[1]")
+    IdReader(0).read(b"[1]")

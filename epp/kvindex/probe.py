@@ -122,7 +122,7 @@ def locate(
 def _settle(
     table: Any, items: Index, slot: Index, found: Bools, buckets: Index, match: Bools, want: Array, n: int
 ) -> None:
-    """Exact answers for `items` of `_locate` (in place): key and tag compared in all 16 slots."""
+    """Exact answers for `items` of `locate` (in place): key and tag compared in all 16 slots."""
     k = len(items)
     b = buckets[:, items]
     tags = want[items // n, 0] if want.shape[1] == 1 else want[0, items]

@@ -136,24 +136,13 @@ class HashTable:
         """Keys and tags in the table's dtypes (the compiled loops are typed by them)."""
         return keys.astype(np.uint64, copy=False), np.asarray(tags).astype(self.tag_dtype, copy=False)
 
-    def _find(self, keys: npt.NDArray[np.uint64], tags: Array) -> tuple[Index, Index, Index]:
-        """Slots (-1 where absent) and the two buckets of each item."""
-        slot, found, buckets = self._locate(keys, tags)
-        return np.where(found, slot, -1), buckets[0], buckets[1]
-
     def locate(self, keys: npt.NDArray[np.uint64], tags: Array | Sequence[int]) -> tuple[Index, Bools]:
         """The batched read probe. With `tags` an array (one tag per key), item i is (keys[i], tags[i]);
         with a list of S tags, item s * len(keys) + i is (keys[i], tags[s]): every key under every tag,
         without tiled copies of `keys`. Returns the slot of every item, a valid index even where absent
         (so that columns can be gathered without a filter first), and whether the item is present."""
-        slot, found, _ = self._locate(keys, tags)
+        slot, found, _ = probe.locate(self, keys, tags)
         return slot, found
-
-    def _locate(
-        self, keys: npt.NDArray[np.uint64], tags: Array | Sequence[int]
-    ) -> tuple[Index, Bools, Index]:
-        """`locate`, plus the two buckets of every item (`probe.locate`)."""
-        return probe.locate(self, keys, tags)
 
     def find_one(self, key: int, tag: int) -> int:
         """Slot of (key, tag) or -1: scalar code for one item (cheaper than a batch of one). Reads whole
