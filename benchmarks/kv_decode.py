@@ -1,8 +1,9 @@
-"""Decode-only throughput of engine KV-event batches (epp.kvindex.events.decode_batch).
+"""Decode-only throughput of engine KV-event batches: the decoder ingestion uses (`ingest.decode`: the
+compiled scan, `event_scan.py`) and msgspec's typed decode into Python objects (`events.decode_batch`).
 
 Encodes N vLLM-shaped batches (each: 8 BlockStored of 16 blocks x 16 tokens, then 4
 BlockRemoved of one block each, as vLLM emits evictions) in the map form (vLLM 0.24+) and
-the array form (vLLM 0.9-0.23), then times decode_batch over all of them. Prints block
+the array form (vLLM 0.9-0.23), then times each decoder over all of them. Prints block
 events per second (stored blocks + removed blocks), the median over repeats. This is the
 ceiling for any ingestion path built on the decoder.
 
@@ -17,10 +18,12 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from epp.kvindex.events import decode_batch
+from epp.kvindex.ingest import decode
 from epp.testing.kv_publisher import (
     ArrayBlockRemoved,
     ArrayBlockStored,
@@ -76,13 +79,18 @@ def make_batches(n_batches: int, form: str, seed: int) -> list[bytes]:
     return out
 
 
-def measure(payloads: list[bytes], repeats: int) -> float:
-    """Median block events per second of decoding all `payloads`."""
+DECODERS: dict[str, Callable[[bytes], object]] = {"scan": decode, "msgspec": decode_batch}
+
+
+def measure(payloads: list[bytes], repeats: int, decoder: str = "scan") -> float:
+    """Median block events per second of decoding all `payloads` with `DECODERS[decoder]`."""
+    fn = DECODERS[decoder]
+    fn(payloads[0])  # compiled code loaded before timing
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
         for payload in payloads:
-            decode_batch(payload)
+            fn(payload)
         rates.append(len(payloads) * BLOCK_EVENTS_PER_BATCH / (time.perf_counter() - start))
     return statistics.median(rates)
 
@@ -98,11 +106,13 @@ def main() -> None:
     for form in FORMS:
         payloads = make_batches(args.batches, form, args.seed)
         size = sum(map(len, payloads)) / len(payloads)
-        rate = measure(payloads, args.repeats)
-        print(
-            f"{form:5s}: {rate:12,.0f} block events/s  ({rate / BLOCK_EVENTS_PER_BATCH:9,.0f} batches/s,"
-            f" {BLOCK_EVENTS_PER_BATCH} block events and {size:,.0f} bytes per batch)"
-        )
+        for decoder in DECODERS:
+            rate = measure(payloads, args.repeats, decoder)
+            print(
+                f"{form:5s} {decoder:7s}: {rate:12,.0f} block events/s"
+                f"  ({rate / BLOCK_EVENTS_PER_BATCH:9,.0f} batches/s,"
+                f" {BLOCK_EVENTS_PER_BATCH} block events and {size:,.0f} bytes per batch)"
+            )
 
 
 if __name__ == "__main__":

@@ -7,5 +7,6 @@ COMPILED = [
     "epp.kvindex.block_chain",
     "epp.kvindex.cuckoo",
     "epp.kvindex.ownership",
+    "epp.kvindex.event_scan",
     "epp.costmodel.estimate",
 ]

@@ -1,6 +1,7 @@
 """Fuzz target: KV-event messages (frames split at `seeds.FRAME_SEP`) into `KvEventSubscriber.handle`,
 per-pod or central (the first byte chooses). Every message must be applied or dropped under one reason;
-an exception or an uncounted message is a finding. Run with `python fuzz/run.py kv_frames SECONDS`."""
+an exception or an uncounted message is a finding, and so is a payload the compiled scan reads otherwise
+than `decode_batch` (`epp.testing.kv_scan`). Run with `python fuzz/run.py kv_frames SECONDS`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ with atheris.instrument_imports(include=["epp", "fuzz"], exclude=COMPILED):
     from epp.kvindex.index import BlockIndex
     from epp.kvindex.ingest import KvIngest
     from epp.sources.kv_events import KvEventSubscriber
+    from epp.testing.kv_scan import same_reading
     from fuzz.seeds import FRAME_SEP
 
 POD = "10.0.0.1:8000"
@@ -38,6 +40,8 @@ def TestOneInput(data: bytes) -> None:
         return
     central = data[0] & 1
     frames = data[1:].split(FRAME_SEP)
+    if len(frames) == 3:
+        same_reading(frames[2])  # the compiled scan takes only what decode_batch reads the same way
     before = outcomes()
     SUBSCRIBER.handle(frames, None if central else POD, -1 if central else 0)
     if outcomes() != before + 1:

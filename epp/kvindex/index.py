@@ -76,7 +76,7 @@ from epp.kvindex.holdings import (
     Holdings,
 )
 from epp.kvindex.keys import state_of
-from epp.kvindex.packing import as_u64, flat_tokens, pack_tokens
+from epp.kvindex.packing import StoreTokens, as_u64, flat_tokens, pack_tokens
 from epp.kvindex.reads import IndexReads
 from epp.kvindex.removals import IndexRemovals
 
@@ -200,21 +200,165 @@ class BlockIndex(IndexReads, IndexRemovals):
 
     def store_many(self, pod: str, stores: Iterable[StoreArgs]) -> int:
         """Several BlockStored events of `pod`, in order, each given as (engine hashes, parent engine hash,
-        token ids, engine block size, tier, root): the same as calling `store` for each, in one call.
-        Returns how many of them were orphans."""
+        token ids, engine block size, tier, root): the same as calling `store` for each. Consecutive ones of
+        one tier and root go to `store_run` together. Returns how many of them were orphans."""
+        orphans = 0
+        run: list[StoreArgs] = []
+        for args in [*stores, None]:
+            if run and (args is None or args[4:] != run[0][4:]):
+                tier, root = run[0][4], run[0][5]
+                tokens = [t for r in run for t in r[2]]
+                try:
+                    packed: StoreTokens = np.array(tokens, dtype=np.int64)
+                except (OverflowError, TypeError):
+                    packed = tokens
+                orphans += self.store_run(
+                    pod, tier, root,
+                    [h for r in run for h in r[0]], [r[1] for r in run], [len(r[0]) for r in run],
+                    packed, [len(r[2]) for r in run], [r[3] for r in run],
+                )  # fmt: skip
+                run = []
+            if args is not None:
+                run.append(args)
+        return orphans
+
+    def store_run(
+        self,
+        pod: str,
+        tier: str,
+        root: int,
+        hashes: Sequence[int],
+        parents: Sequence[int | None],
+        hashes_per_event: Sequence[int],
+        tokens: StoreTokens,
+        tokens_per_event: Sequence[int],
+        block_sizes: Sequence[int],
+    ) -> int:
+        """Consecutive BlockStored events of `pod` on one tier from one root, as columns: event e has
+        hashes_per_event[e] of `hashes` (in order), parent `parents[e]`, tokens_per_event[e] of `tokens` and
+        engine block size block_sizes[e]. The same as `store` for each, in order; returns how many were
+        orphans. A run whose events all chain from known blocks is queued in one pass (`_queue_run`)."""
+        if not len(parents) == len(hashes_per_event) == len(tokens_per_event) == len(block_sizes):
+            raise ValueError("store_run: parents and the per-event counts and sizes differ in length")
+        if sum(hashes_per_event) != len(hashes) or sum(tokens_per_event) != len(tokens):
+            raise ValueError("store_run: the per-event counts do not add up to the hashes and tokens given")
         pid = self._pod_ids.get(pod)
         if pid is None:
             pid = self._new_pod(pod)
-        tier_ids = self._tier_ids
-        store = self._store
+        tid = self._tier_ids.get(tier)
+        if tid is None:
+            tid = self._new_tier(tier)
+        if (
+            len(parents) > 1
+            and pid >= 0
+            and tid >= 0
+            and isinstance(tokens, np.ndarray)
+            and self._queue_run(
+                pid, tid, root, hashes, parents, hashes_per_event, tokens, tokens_per_event, block_sizes
+            )
+        ):
+            return 0
         orphans = 0
-        for hashes, parent, tokens, ebs, tier, root in stores:
-            tid = tier_ids.get(tier)
-            if tid is None:
-                tid = self._new_tier(tier)
-            if store(pid, tid, hashes, parent, tokens, ebs, root) < 0:
+        h = t = 0
+        for parent, n, ntok, ebs in zip(
+            parents, hashes_per_event, tokens_per_event, block_sizes, strict=True
+        ):
+            if self._store(pid, tid, hashes[h : h + n], parent, tokens[t : t + ntok], ebs, root) < 0:
                 orphans += 1
+            h += n
+            t += ntok
         return orphans
+
+    def _queue_run(
+        self,
+        pid: int,
+        tid: int,
+        root: int,
+        hashes: Sequence[int],
+        parents: Sequence[int | None],
+        hashes_per_event: Sequence[int],
+        tokens: npt.NDArray[np.integer],
+        tokens_per_event: Sequence[int],
+        block_sizes: Sequence[int],
+    ) -> bool:
+        """Queue a run of stores as `_store` would one by one, when that needs no flush in between and no
+        event is an orphan or malformed; False (nothing changed) otherwise. Each event's parent is the last
+        block of an earlier event of the run, queued, held, or None (the root)."""
+        bs = self.block_size
+        max_ebs = self._max_ebs
+        weight = 0
+        for n, ntok, ebs in zip(hashes_per_event, tokens_per_event, block_sizes, strict=True):
+            if not (n and 1 <= ebs <= max_ebs and (n - 1) * ebs < ntok <= n * ebs):
+                return False
+            weight += (ntok + bs - 1) // bs + (0 if ebs >= bs and ntok == n * ebs else n)
+        if tokens.dtype.kind not in "iu" or self._h.used + self._q_weight + weight > self.max_entries:
+            return False  # (a store that may evict flushes first)
+        run = set(hashes)
+        if len(run) != len(hashes):
+            return False
+        left = self._r_left.get(pid)
+        if left and not left.keys().isdisjoint(run):
+            return False
+        discarded = self._d_set.get(pid)
+        if discarded and not (discarded.isdisjoint(run) and discarded.isdisjoint(parents)):
+            return False
+        ends: dict[int, int] = {}  # the run's events' last blocks -> their positions
+        g = self._q_blocks
+        evs: list[tuple[int, int, int, int, int, int, int]] = []
+        s0s: list[int] = []
+        h = 0
+        for parent, n, ntok, ebs in zip(
+            parents, hashes_per_event, tokens_per_event, block_sizes, strict=True
+        ):
+            pref = -1
+            s0 = 0
+            if parent is None:
+                npend0 = 0
+                s0 = self._roots.get(root, -1)
+                if s0 < 0:
+                    s0 = self._root_state(root)
+            else:
+                v = ends.get(parent)
+                if v is None:
+                    if parent in run:
+                        return False  # a block of the run other than an event's last
+                    v = self._queued_at(pid, parent)
+                if v is not None:
+                    pref = v >> 8
+                    npend0 = v & 0xFF
+                else:
+                    slot = -1 if left and left.get(parent) == 0 else self._h.find_record(pid, parent)
+                    if slot < 0:
+                        return False  # an orphan: `_store` counts it
+                    s0 = self._h.record_state(slot)
+                    npend0 = self._h.record_info(slot) & 0xFF
+            evs.append((pid, tid, n, ntok, ebs, pref, npend0))
+            s0s.append(s0)
+            h += n
+            g += n
+            ends[hashes[h - 1]] = (g - 1) * 256 + (npend0 + ntok) % bs
+        unknown = self._unknown.get(pid)
+        if unknown:
+            for x in hashes:
+                unknown.pop(x, None)
+        self._q_ev.extend(evs)
+        self._q_s0.extend(s0s)
+        self._q_hashes.extend(hashes)
+        self._q_tokens.append(tokens)
+        queued = self._q_set.get(pid)
+        if queued is None:
+            queued = self._q_set[pid] = set()
+            self._q_last[pid] = {}
+        if not queued.isdisjoint(run):
+            self._q_dups = True  # a hash queued twice for the pod
+        queued.update(run)
+        self._q_last[pid].update(ends)
+        self._q_blocks = g
+        self._q_tok += len(tokens)
+        self._q_weight += weight
+        if self._q_tok >= _FLUSH_TOKENS or self._q_blocks >= _FLUSH_BLOCKS:
+            self._flush()
+        return True
 
     def _store(
         self,

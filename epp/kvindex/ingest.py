@@ -9,9 +9,10 @@ answers again may be a new engine process, so the pod's blocks are forgotten the
 is taken up as a new one. Nothing here blocks or performs I/O, so the simulator drives the same
 code with modelled delays.
 
-A message's events are applied in order: each run of BlockStored in one `BlockIndex.store_many`
-call, each BlockRemoved with `BlockIndex.discard` (its lookups batched with the index's next flush),
-with the same effects as applying every event on its own.
+A message is read by the compiled scan (`event_scan.py`; `decode_batch` when the scan does not take it)
+into runs of consecutive events, applied in order: each run of BlockStored of one tier and model in one
+`BlockIndex.store_run` call, each run of BlockRemoved of one tier in one `BlockIndex.discard` (its lookups
+batched with the index's next flush), with the same effects as applying every event on its own.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
 
+from epp.kvindex.event_scan import CLEARED, REMOVED, STORED, Run, ScannedBatch, scan_batch
 from epp.kvindex.events import (
     KNOWN_TIERS,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DecodeError,
@@ -32,7 +33,7 @@ from epp.kvindex.events import (
     decode_batch,
 )
 from epp.kvindex.freshness import FreshnessTracker
-from epp.kvindex.index import BlockIndex, StoreArgs
+from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import root_key
 from epp.kvindex.sequence import SeqKind, SequenceTracker
 
@@ -94,6 +95,33 @@ class PodCounters:
     replays: Counter[str] = field(default_factory=Counter)
     unknown_tiers: Counter[str] = field(default_factory=Counter)
     skipped_groups: int = 0
+
+
+def decode(payload: bytes) -> ScannedBatch:
+    """A message's batch in the form `_apply` applies: read by the compiled scan (`event_scan.py`), or by
+    `decode_batch` when the scan does not take it. Raises DecodeError."""
+    scanned = scan_batch(payload)
+    return scanned if scanned is not None else runs_of(decode_batch(payload))
+
+
+def runs_of(batch: EventBatch) -> ScannedBatch:
+    """`decode_batch`'s result in the form `_apply` applies: one run per event."""
+    runs: list[Run] = []
+    for ev in batch.events:
+        if type(ev) is BlockStored:
+            extra = ev.extra_keys
+            salted = ev.cache_salt or (extra and extra[0] is not None)
+            salt = salt_of(extra, ev.cache_salt) if salted else None
+            hashes = list(ev.block_hashes)
+            runs.append(
+                (STORED, ev.tier, ev.lora_name, salt, hashes, [ev.parent_block_hash], [len(hashes)],
+                 ev.token_ids, [len(ev.token_ids)], [ev.block_size])
+            )  # fmt: skip
+        elif type(ev) is BlockRemoved:
+            runs.append((REMOVED, ev.tier, list(ev.block_hashes)))
+        else:
+            runs.append((CLEARED,))
+    return ScannedBatch(batch.ts, batch.data_parallel_rank, runs, len(batch.events), batch.skipped)
 
 
 def salt_of(extra_keys: tuple[object, ...] | None, cache_salt: str | None) -> str | None:
@@ -159,7 +187,7 @@ class KvIngest:
     ) -> Outcome:
         """`wall_now` (seconds since the epoch) measures how late the batch arrived against its `ts`."""
         try:
-            batch = decode_batch(payload)
+            batch = decode(payload)
         except DecodeError as err:
             # The seq still counts as received: the loss shows as `malformed`, not as a gap. Not while
             # replaying (the seq is the replay's progress; the replayed copy counts) or out of contact.
@@ -315,7 +343,7 @@ class KvIngest:
         if seq != expected:
             pub.replay_hole = True
         try:
-            batch = decode_batch(payload)
+            batch = decode(payload)
         except DecodeError as err:
             pub.seq.advance(seq)
             return self.drop(pod, err.reason, now)
@@ -356,7 +384,7 @@ class KvIngest:
                 self.freshness.gap(pod, now, replaying=False)
                 ok = False
             try:
-                batch = decode_batch(payload)
+                batch = decode(payload)
             except DecodeError as err:  # a replayed message merged into `held` undecoded
                 pub.seq.advance(seq)
                 self.drop(pod, err.reason, now)
@@ -371,7 +399,7 @@ class KvIngest:
         pod: str,
         pub: _Publisher,
         seq: int,
-        batch: EventBatch,
+        batch: ScannedBatch,
         topic_model: str | None,
         now: float,
         lag: float,
@@ -383,55 +411,44 @@ class KvIngest:
         roots = self._roots
         pod_model: str | None = None  # model_of(pod), asked at most once per message
         asked = False
-        stores: list[StoreArgs] = []  # consecutive BlockStored, applied in one call
         orphans = 0
-        for ev in batch.events:
-            if type(ev) is BlockStored:
-                model = ev.lora_name or topic_model
+        for run in batch.runs:
+            if run[0] == STORED:
+                _, tier, lora_name, salt, hashes, parents, per_event, tokens, tokens_per_event, sizes = run  # type: ignore[misc]
+                model = lora_name or topic_model
                 if model is None:
                     if not asked:
                         pod_model, asked = self.model_of(pod), True
                     model = pod_model
                     if model is None:
-                        c.drops["unknown_model"] += 1
+                        c.drops["unknown_model"] += len(parents)
                         self.freshness.problem(pod, now, "unknown_model")  # the index under-reports
                         continue
-                tier = ev.tier
                 if tier not in KNOWN_TIERS:
                     unknown = c.unknown_tiers
-                    unknown[tier if tier in unknown or len(unknown) < MAX_UNKNOWN_TIERS else OTHER_TIER] += 1
-                extra = ev.extra_keys
-                salt = (
-                    salt_of(extra, ev.cache_salt)
-                    if ev.cache_salt or (extra and extra[0] is not None)
-                    else None
-                )
+                    unknown[tier if tier in unknown or len(unknown) < MAX_UNKNOWN_TIERS else OTHER_TIER] += (
+                        len(parents)
+                    )
                 root = roots.get((model, salt))
                 if root is None:
                     if len(roots) > 4096:  # tenants come and go: keep the cache bounded
                         roots.clear()
                     root = roots[(model, salt)] = root_key(model, salt)
-                stores.append(
-                    (ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, tier, root)
+                orphans += index.store_run(
+                    pod, tier, root, hashes, parents, per_event, tokens, tokens_per_event, sizes
                 )
-                continue
-            if stores:
-                orphans += index.store_many(pod, stores)
-                stores = []
-            if type(ev) is BlockRemoved:
-                index.discard(pod, ev.block_hashes, ev.tier)
-            elif type(ev) is AllBlocksCleared:
+            elif run[0] == REMOVED:
+                index.discard(pod, run[2], run[1])  # type: ignore[arg-type,misc]
+            else:
                 index.clear_pod(pod)
-        if stores:
-            orphans += index.store_many(pod, stores)
         if orphans:
             c.orphans += orphans
             self.freshness.problem(pod, now, "orphans")
-        c.events += len(batch.events)
+        c.events += batch.events
         pub.seq.advance(seq)
         self.last_seq[pod] = seq
         self.freshness.message(pod, now, lag)
-        return Applied(len(batch.events))
+        return Applied(batch.events)
 
     def _publisher(self, pod: str, rank: int) -> _Publisher:
         key = (pod, rank)

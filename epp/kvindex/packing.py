@@ -15,6 +15,9 @@ import numpy.typing as npt
 
 from epp.kvindex.keys import MASK64
 
+StoreTokens = Sequence[int] | npt.NDArray[np.integer]
+"""Token ids as an event gives them: Python ints, or an integer array (the compiled scan's)."""
+
 _STRUCT_CACHE: Final = 1024
 _STRUCTS: dict[int, struct.Struct] = {}  # token count -> its packer
 

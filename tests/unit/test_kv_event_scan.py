@@ -1,0 +1,259 @@
+"""The compiled scan of KV-event batches (`event_scan.py`) against `decode_batch`: every batch it takes
+reads exactly as `decode_batch` reads it, and every batch `decode_batch` rejects, it leaves to it."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from benchmarks.kv_decode import make_batches
+from epp.kvindex.event_scan import CLEARED, REMOVED, STORED, scan_batch
+from epp.kvindex.events import DecodeError
+from epp.kvindex.index import BlockIndex
+from epp.kvindex.ingest import decode
+from epp.testing.kv_scan import same_reading
+
+M64 = (1 << 64) - 1
+enc = msgspec.msgpack.encode
+
+
+# -- batches of every shape ---------------------------------------------------------------
+
+_int64 = st.integers(-(1 << 63), (1 << 63) - 1)
+_hash = st.one_of(
+    st.integers(0, M64), _int64, st.binary(min_size=32, max_size=32), st.binary(min_size=16, max_size=16)
+)  # (bent ones: the tests below)
+_token = st.one_of(
+    st.integers(0, 200_000), st.integers(-(1 << 63), M64), st.sampled_from([0, 127, 128, 65535, 65536])
+)
+_medium = st.sampled_from([None, "GPU", "gpu", "CPU", "cpu_pinned", "DISK", "weird", "ÿ-tier"])
+_opt_int = st.one_of(st.none(), st.integers(0, M64), st.integers(-5, 5))
+
+
+@st.composite
+def stored_event(draw: st.DrawFn, form: str) -> Any:
+    n = draw(st.integers(0, 4))
+    bs = draw(st.sampled_from([1, 2, 16]))
+    fields: dict[str, Any] = {
+        "block_hashes": draw(st.lists(_hash, min_size=n, max_size=n)),
+        "parent_block_hash": draw(st.one_of(st.none(), _hash)),
+        "token_ids": draw(st.lists(_token, min_size=0, max_size=n * bs + 1)),
+        "block_size": draw(st.sampled_from([bs] * 30 + [0, -1, 1 << 63])),
+    }
+    optional = {
+        "lora_id": _opt_int,
+        "medium": _medium,
+        "lora_name": st.sampled_from([None, "adapter", "a"]),
+        "extra_keys": st.sampled_from([None, [None] * n, [["salt"]] + [None] * max(0, n - 1), []]),
+        "group_idx": _opt_int,
+        "kv_cache_spec_kind": st.sampled_from([None, "full_attention", "mla_attention", "sliding_window"]),
+        "kv_cache_spec_sliding_window": _opt_int,
+    }
+    if form == "array":
+        k = draw(st.integers(0, len(optional)))
+        return ["BlockStored", *fields.values(), *[draw(s) for s in list(optional.values())[:k]]]
+    for name, strategy in optional.items():
+        if draw(st.booleans()):
+            fields[name] = draw(strategy)
+    if draw(st.integers(0, 5)) == 0:
+        fields["cache_salt"] = draw(st.sampled_from([None, "tenant", "", 5]))
+    if draw(st.integers(0, 7)) == 0:
+        fields["unknown_field"] = 1
+    items = [("type", "BlockStored"), *fields.items()]
+    if draw(st.booleans()):
+        items = draw(st.permutations(items))
+    return dict(items)
+
+
+@st.composite
+def removed_event(draw: st.DrawFn, form: str) -> Any:
+    hashes = draw(st.lists(_hash, max_size=3))
+    medium = draw(_medium)
+    if form == "array":
+        return ["BlockRemoved", hashes, medium, draw(_opt_int)][: draw(st.integers(2, 4))]
+    event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes}
+    if draw(st.booleans()):
+        event["medium"] = medium
+    if draw(st.integers(0, 7)) == 0:  # a field of BlockStored: msgspec ignores it here
+        event[draw(st.sampled_from(["token_ids", "lora_name", "block_size"]))] = draw(
+            st.sampled_from([[1], "x", 2])
+        )
+    return event
+
+
+@st.composite
+def batch(draw: st.DrawFn) -> bytes:
+    events = []
+    for _ in range(draw(st.integers(0, 6))):
+        form = draw(st.sampled_from(["map", "array"]))
+        kind = draw(st.sampled_from(["stored", "stored", "removed", "cleared"]))
+        if kind == "stored":
+            events.append(draw(stored_event(form)))
+        elif kind == "removed":
+            events.append(draw(removed_event(form)))
+        else:
+            events.append(["AllBlocksCleared"] if form == "array" else {"type": "AllBlocksCleared"})
+    ts = draw(st.one_of(st.floats(), st.integers(-(1 << 63), M64)))
+    head = [ts, events]
+    rank = draw(st.sampled_from(["absent", None, 0, 3, -1, 1 << 64 - 1]))
+    if rank != "absent":
+        head.append(rank)
+    return enc(head)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=batch())
+def test_a_batch_the_scan_takes_reads_as_decode_batch_reads_it(payload: bytes) -> None:
+    same_reading(payload)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=batch(), data=st.data())
+def test_bent_batches_are_left_to_decode_batch_unless_they_read_the_same(payload: bytes, data: Any) -> None:
+    """Bytes changed, cut or added anywhere: the scan takes only what decode_batch reads the same way."""
+    raw = bytearray(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        action = data.draw(st.sampled_from(["flip", "cut", "add"]))
+        at = data.draw(st.integers(0, len(raw)))
+        if action == "flip" and at < len(raw):
+            raw[at] = data.draw(st.integers(0, 255))
+        elif action == "cut":
+            del raw[at : at + data.draw(st.integers(1, 4))]
+        else:
+            raw[at:at] = data.draw(st.binary(min_size=1, max_size=4))
+    same_reading(bytes(raw))
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_vllm_batches_are_taken_and_grouped_into_runs(form: str) -> None:
+    """The engines' common batch (8 BlockStored, 4 BlockRemoved) is taken by the scan: one run of stores
+    and one run of removals, reading as decode_batch reads them."""
+    for payload in make_batches(20, form, seed=3):
+        scanned = same_reading(payload)
+        assert scanned is not None
+        assert [run[0] for run in scanned.runs] == [STORED, REMOVED]
+        assert scanned.events == 12
+
+
+def test_runs_split_where_the_tier_model_or_kind_changes() -> None:
+    def st_(medium: str | None, lora: str | None = None) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
+                "block_size": 2, "medium": medium, "lora_name": lora}  # fmt: skip
+
+    events = [
+        st_("GPU"), st_(None), st_("CPU"), st_("CPU", "a"), st_("CPU", "a"),
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
+        {"type": "AllBlocksCleared"}, {"type": "AllBlocksCleared"},
+    ]  # fmt: skip
+    scanned = same_reading(enc([1.0, events]))
+    assert scanned is not None
+    # "GPU" and nil are the same tier but not the same bytes: separate runs, applied alike
+    kinds = [(run[0], len(run[5]) if run[0] == STORED else None) for run in scanned.runs]  # type: ignore[misc]
+    assert kinds == [
+        (STORED, 1),
+        (STORED, 1),
+        (STORED, 1),
+        (STORED, 2),
+        (REMOVED, None),
+        (CLEARED, None),
+        (CLEARED, None),
+    ]
+    assert scanned.runs[4] == (REMOVED, "gpu", [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        (enc([1.0, [["BlockStored", [1], None, [1], 1]]]) + b"\x00", "trailing bytes"),
+        (
+            enc(
+                [
+                    1.0,
+                    [
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": [1],
+                            "parent_block_hash": None,
+                            "token_ids": [1],
+                            "block_size": 1,
+                            "extra": 1,
+                        }
+                    ],
+                ]
+            ),
+            "unknown field",
+        ),
+        (enc([1.0, [["BlockStored", [1], None, [1], 1, None, None, None, [["salt"]]]]]), "a tenant salt"),
+        (enc([1.0, [["BlockStored", [b"\x00" * 8], None, [1], 1]]]), "an 8-byte hash"),
+        (enc([1.0, [["BlockStored", [1], None, [1.5], 1]]]), "a float token id"),
+        (enc([1.0, [["BlockRemoved", [True]]]]), "a bool hash"),
+        (b"\x92\xcb" + bytes(8) + b"\x91\x91\xa9BlockGone", "an unknown event"),
+        (enc([1.0, [["BlockStored", [1], None, [1], 1, None, b"\xff"]]]), "a medium that is bin"),
+        (b"\x93\xcb" + bytes(8) + b"\x90\xcf" + bytes([255] * 8), "a dp rank beyond int64"),
+    ],
+)
+def test_shapes_outside_the_scan_are_left_to_decode_batch(payload: bytes, why: str) -> None:
+    assert scan_batch(payload) is None, why
+    same_reading(payload)
+
+
+def test_a_medium_that_is_not_utf8_is_left_to_decode_batch_which_names_it() -> None:
+    payload = enc([1.0, [["BlockRemoved", [1], "x"]]]).replace(b"\xa1x", b"\xa1\xff")
+    assert scan_batch(payload) is None
+    with pytest.raises(DecodeError):
+        decode(payload)
+
+
+def test_digests_and_signed_hashes_read_as_engine_hash() -> None:
+    digest = bytes(range(32))
+    payload = enc([2, [["BlockStored", [digest, -1, 1 << 63], digest[:16], [1, 2, 3], 1, None, "cpu"]], None])
+    scanned = same_reading(payload)
+    assert scanned is not None and scanned.ts == 2.0 and scanned.data_parallel_rank is None
+    run = scanned.runs[0]
+    assert run[4] == [int.from_bytes(digest[-8:], "big"), M64, 1 << 63]  # type: ignore[misc]
+    assert run[5] == [int.from_bytes(digest[8:16], "big")]  # type: ignore[misc]
+
+
+def test_float32_timestamps_and_ranks() -> None:
+    payload = b"\x93\xca" + np.float32(1.5).byteswap().tobytes() + b"\x90\x05"
+    scanned = same_reading(payload)
+    assert scanned is not None and (scanned.ts, scanned.data_parallel_rank) == (1.5, 5)
+
+
+def test_other_kv_groups_are_skipped_and_counted() -> None:
+    events = [
+        ["BlockStored", [1], None, [1], 1, None, None, None, None, 1, "sliding_window", 128],
+        ["BlockStored", [2], None, [2], 1, None, None, None, None, 0, "full_attention", None],
+    ]
+    scanned = same_reading(enc([1.0, events]))
+    assert scanned is not None and (scanned.events, scanned.skipped) == (1, 1)
+
+
+@example(seed=0)
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_random_garbage_is_never_taken_as_something_else(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(50):
+        size = rng.randrange(0, 64)
+        same_reading(bytes([rng.choice([0x92, 0x93, 0xCB, 0x90, 0x91, 0xC0, 0xDC, 0xDE, rng.randrange(256)])
+                            for _ in range(size)]))  # fmt: skip
+
+
+# -- store_run: the index side of a run ------------------------------------------------------
+
+
+def test_store_run_rejects_columns_that_do_not_add_up() -> None:
+    index = BlockIndex(block_size=2)
+    with pytest.raises(ValueError, match="differ in length"):
+        index.store_run("p", "gpu", 1, [1, 2], [None], [1, 1], np.arange(4), [2, 2], [2, 2])
+    with pytest.raises(ValueError, match="add up"):
+        index.store_run("p", "gpu", 1, [1, 2], [None, 1], [1, 1], np.arange(3), [2, 2], [2, 2])
+    assert index.stats().entries == 0 and index.pods() == []
