@@ -20,6 +20,7 @@ Compiled with numba (`docs/architecture.md`, "Compiled loops").
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -356,16 +357,26 @@ def _group(buf: Any, rows: Any, n: int, runs: Any) -> int:  # pragma: no cover -
     return r + 1
 
 
+_HEAD: Final = 4  # work[:4]: ts's 64 bits, dp rank, 1 if the rank was sent and not nil, events
+_RUN: Final = 13  # a run's columns (`_group`)
+_EVENT: Final = 4  # per event, after the runs: has parent, hashes, tokens, block size
+
+
 @numba.njit(cache=True, nogil=True)
-def _scan(  # pragma: no cover - compiled
-    buf: Any, rows: Any, hashes: Any, tokens: Any, runs: Any, head: Any
-) -> int:
-    """The batch in buf: its events' rows, hashes and token ids, and their runs (`_group`); head = (ts's
-    64 bits, dp rank, 1 if the rank was sent and not nil, events). The number of runs, or -1 when the
-    batch is not of the shape taken."""
+def _scan(buf: Any, work: Any, data: Any, cap: int) -> tuple[int, int, int]:  # pragma: no cover - compiled
+    """The batch in buf. `work` (int64) gets the head (`_HEAD`), the runs (`_group`) and then per event
+    `_EVENT` columns, in that order and nothing between; its tail is scratch for the events' rows.
+    `data` (int64, 2 * len(buf) + cap) gets the block hashes, then each event's parent hash (as 64
+    bits), and from len(buf) + cap on, the token ids. `work` holds `cap` events: the caller sizes it.
+    Returns (runs, events, block hashes); runs -1 when the batch is not of the shape taken, -2 when it
+    has more than `cap` events."""
     end = buf.shape[0]
+    runs = work[_HEAD : _HEAD + cap * _RUN].reshape((cap, _RUN))
+    rows = work[work.shape[0] - cap * ROW :].reshape((cap, ROW))
+    hashes = data[:end].view(np.uint64)
+    tokens = data[end + cap :]
     if end < 2 or not (buf[0] == 0x92 or buf[0] == 0x93):
-        return -1
+        return -1, 0, 0
     p = 1
     ts = np.empty(1, dtype=np.float64)
     if buf[p] == 0xCB and p + 9 <= end:
@@ -379,33 +390,47 @@ def _scan(  # pragma: no cover - compiled
     else:
         kind, v, p = _int(buf, p, end)
         if kind == 0:
-            return -1
+            return -1, 0, 0
         ts[0] = np.float64(np.int64(v)) if kind == 1 else np.float64(v)
-    head[0] = ts.view(np.int64)[0]
+    work[0] = ts.view(np.int64)[0]
     n, p = _head(buf, p, end, 0x90, 0xDC)
-    if n < 0 or n > rows.shape[0]:
-        return -1
+    if n < 0 or n > end // 8:  # an event takes at least 8 bytes
+        return -1, 0, 0
+    if n > cap:
+        return -2, 0, 0
     nh = 0
     nt = 0
     for e in range(n):
         p, nh, nt = _event(buf, p, end, rows[e], hashes, nh, tokens, nt)
         if p < 0:
-            return -1
-    head[1] = 0
-    head[2] = 0
+            return -1, 0, 0
+    work[1] = 0
+    work[2] = 0
     if buf[0] == 0x93:
         if p < end and buf[p] == 0xC0:
             p += 1
         else:
             kind, v, p = _int(buf, p, end)
             if kind != 1:
-                return -1
-            head[1] = np.int64(v)
-            head[2] = 1
+                return -1, 0, 0
+            work[1] = np.int64(v)
+            work[2] = 1
     if p != end:
-        return -1
-    head[3] = n
-    return _group(buf, rows, n, runs)
+        return -1, 0, 0
+    work[3] = n
+    nruns = _group(buf, rows, n, runs)
+    at = _HEAD + nruns * _RUN
+    for e in range(
+        n
+    ):  # after the runs (`rows` starts beyond all this: cap * ROW >= cap * (_RUN + _EVENT) + _HEAD)
+        row = rows[e]
+        work[at] = row[HAS_PARENT]
+        work[at + 1] = row[H_N]
+        work[at + 2] = row[T_N]
+        work[at + 3] = row[BLOCK_SIZE]
+        at += _EVENT
+        data[nh + e] = row[PARENT]
+    return nruns, n, nh
 
 
 StoredRun = tuple[
@@ -444,53 +469,59 @@ class ScannedBatch:
 def scan_batch(payload: bytes) -> ScannedBatch | None:
     """The batch, or None when it is not of a shape the scan takes (use `decode_batch`)."""
     size = len(payload)
-    rows = np.empty((size // 8 + 1, ROW), dtype=np.int64)  # an event takes at least 8 bytes
-    runs = np.empty((size // 8 + 1, 13), dtype=np.int64)
-    hashes = np.empty(size, dtype=np.uint64)  # a hash or token id takes at least a byte
-    tokens = np.empty(size, dtype=np.int64)
-    head = np.empty(4, dtype=np.int64)
-    nruns = _scan(np.frombuffer(payload, dtype=np.uint8), rows, hashes, tokens, runs, head)
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    cap = size // 256 + 16  # events are longer than that, but may be as short as 8 bytes: then again
+    while True:
+        work = np.empty(_HEAD + cap * (_RUN + _EVENT + ROW), dtype=np.int64)
+        data = np.empty(2 * size + cap, dtype=np.int64)
+        nruns, n, nh = _scan(buf, work, data, cap)
+        if nruns != -2:
+            break
+        cap = size // 8 + 1
     if nruns < 0:
         return None
+    w = work[: _HEAD + nruns * _RUN + n * _EVENT].tolist()
+    hl = data[: nh + n].view(np.uint64).tolist()  # block hashes, then the events' parents
+    tokens = data[size + cap :]
     out: list[Run] = []
-    events = int(head[3])
     skipped = 0
+    ev_at = _HEAD + nruns * _RUN
     try:
-        for kind, e0, e1, h0, h1, t0, t1, m_at, m_n, l_at, l_n, s_at, s_n in runs[:nruns].tolist():
+        for r in range(_HEAD, ev_at, _RUN):
+            kind, e0, e1, h0, h1, t0, t1, m_at, m_n, l_at, l_n, s_at, s_n = w[r : r + _RUN]
             if kind == CLEARED:
                 out.append(_CLEARED)
                 continue
             tier = GPU if m_n < 0 else normalize_tier(payload[m_at : m_at + m_n].decode())
             if kind == REMOVED:
-                out.append((REMOVED, tier, hashes[h0:h1].tolist()))
+                out.append((REMOVED, tier, hl[h0:h1]))
                 continue
             if s_n >= 0 and payload[s_at : s_at + s_n].decode() not in FULL_ATTENTION_KINDS:
                 skipped += e1 - e0
                 continue
-            ev = rows[e0:e1]
-            has = ev[:, HAS_PARENT].tolist()
-            parents = [
-                p if f else None for p, f in zip(ev[:, PARENT].view(np.uint64).tolist(), has, strict=True)
-            ]
+            cols = w[ev_at + e0 * _EVENT : ev_at + e1 * _EVENT]
+            has = cols[0::_EVENT]
+            parents = hl[nh + e0 : nh + e1]
+            if 0 in has:
+                parents = [x if f else None for x, f in zip(parents, has, strict=True)]
             out.append(
                 (
                     STORED,
                     tier,
                     None if l_n < 0 else payload[l_at : l_at + l_n].decode(),
                     None,
-                    hashes[h0:h1].tolist(),
+                    hl[h0:h1],
                     parents,
-                    ev[:, H_N].tolist(),
+                    cols[1::_EVENT],
                     tokens[t0:t1],
-                    ev[:, T_N].tolist(),
-                    ev[:, BLOCK_SIZE].tolist(),
+                    cols[2::_EVENT],
+                    cols[3::_EVENT],
                 )
             )
     except UnicodeDecodeError:
         return None  # decode_batch names it
-    return ScannedBatch(
-        head[:1].view(np.float64)[0].item(), int(head[1]) if head[2] else None, out, events - skipped, skipped
-    )
+    ts = struct.unpack("<d", struct.pack("<q", w[0]))[0]
+    return ScannedBatch(ts, w[1] if w[2] else None, out, w[3] - skipped, skipped)
 
 
 _CLEARED: Final[Cleared] = (CLEARED,)

@@ -97,10 +97,15 @@ class PodCounters:
     skipped_groups: int = 0
 
 
+SCAN_FROM = 512
+"""Payloads of at least this many bytes go to the compiled scan first; below, msgspec is faster (the
+scan's fixed cost, ~5 us, against ~3.5 us for msgspec on a one-block BlockStored)."""
+
+
 def decode(payload: bytes) -> ScannedBatch:
     """A message's batch in the form `_apply` applies: read by the compiled scan (`event_scan.py`), or by
-    `decode_batch` when the scan does not take it. Raises DecodeError."""
-    scanned = scan_batch(payload)
+    `decode_batch` when the payload is short or the scan does not take it. Raises DecodeError."""
+    scanned = scan_batch(payload) if len(payload) >= SCAN_FROM else None
     return scanned if scanned is not None else runs_of(decode_batch(payload))
 
 

@@ -257,3 +257,11 @@ def test_store_run_rejects_columns_that_do_not_add_up() -> None:
     with pytest.raises(ValueError, match="add up"):
         index.store_run("p", "gpu", 1, [1, 2], [None, 1], [1, 1], np.arange(3), [2, 2], [2, 2])
     assert index.stats().entries == 0 and index.pods() == []
+
+
+def test_batches_of_many_short_events_are_taken_whole() -> None:
+    """More events than the scan's first guess from the payload's size (it tries again with room for all)."""
+    events = [["BlockRemoved", [i], "GPU"] if i % 3 else ["AllBlocksCleared"] for i in range(300)]
+    scanned = same_reading(enc([1.0, events]))
+    assert scanned is not None and scanned.events == 300
+    assert sum(len(run[2]) for run in scanned.runs if run[0] == REMOVED) == 200  # type: ignore[misc]
