@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import time
 from collections import deque
 from typing import Any
@@ -39,6 +40,22 @@ END = 0xFFFFFFFFFFFFFFFF
 def encode_batch(events: list[Any], dp_rank: int | None = None, ts: float | None = None) -> bytes:
     """A batch stamped with the wall clock unless `ts` is given."""
     return wire_encode(events, dp_rank, time.time() if ts is None else ts)
+
+
+_BIND_TRIES = 40
+
+
+async def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    """Bind, trying again for about 2 s while the port is in use: a restarted engine takes the port its
+    predecessor had (tests pick a free port ahead of time, and another process may hold it briefly)."""
+    for attempt in range(_BIND_TRIES):
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE or attempt == _BIND_TRIES - 1:
+                raise
+            await asyncio.sleep(0.05)
 
 
 class KvEventPublisher:
@@ -79,13 +96,13 @@ class KvEventPublisher:
         if self.connect:
             self.pub.connect(self.endpoint)
         else:
-            self.pub.bind(self.endpoint)
+            await _bind(self.pub, self.endpoint)
             self.port = int(self.pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         if self.replay_endpoint is not None:
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
             self.router.setsockopt(zmq.IPV6, 1)
-            self.router.bind(self.replay_endpoint)
+            await _bind(self.router, self.replay_endpoint)
             self.replay_port = int(self.router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             self._task = asyncio.create_task(self._serve_replay())
         return self
