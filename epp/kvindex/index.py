@@ -258,6 +258,8 @@ class BlockIndex(IndexReads, IndexRemovals):
             )
         ):
             return 0
+        if len(parents) == 1:  # (no slices to take)
+            return int(self._store(pid, tid, hashes, parents[0], tokens, block_sizes[0], root) < 0)
         orphans = 0
         h = t = 0
         for parent, n, ntok, ebs in zip(
