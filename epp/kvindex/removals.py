@@ -40,14 +40,27 @@ class IndexRemovals:
     def _removals_queued(self) -> None:
         raise NotImplementedError
 
+    def _known_tier(self, pid: int | None, engine_hashes: Sequence[int], tier: str) -> int | None:
+        """The tier's id, or None when nothing is to be done: no hashes, the pod unknown, or the tier never
+        stored on (nothing of the pod is held there; the hashes still leave its unknown chain)."""
+        tid = self._tier_ids.get(tier)
+        if pid is None or not engine_hashes:
+            return None
+        if tid is None:
+            unknown = self._unknown.get(pid)
+            if unknown:
+                for h in engine_hashes:
+                    unknown.pop(h, None)
+        return tid
+
     def remove(self, pod: str, engine_hashes: Sequence[int], tier: str) -> int:
         """BlockRemoved: drop one copy of `tier` of these engine blocks of `pod` (the tier of an engine
         block goes with its last copy). Returns the entries they released: the index blocks completed by
         the engine blocks whose tier went, held on that tier (one still completed by another engine block
         of the pod stays held; `stats().entries` is exact)."""
         pid = self._pod_ids.get(pod)
-        tid = self._tier_ids.get(tier)
-        if pid is None or tid is None or not engine_hashes:
+        tid = self._known_tier(pid, engine_hashes, tier)
+        if pid is None or tid is None:
             return 0
         queued = self._q_set.get(pid)
         if (
@@ -89,8 +102,8 @@ class IndexRemovals:
         """BlockRemoved, as `remove`, without the count of entries released: the engine blocks are looked
         up in the next batch, all at once, instead of one by one now (a few times cheaper)."""
         pid = self._pod_ids.get(pod)
-        tid = self._tier_ids.get(tier)
-        if pid is None or tid is None or not engine_hashes:
+        tid = self._known_tier(pid, engine_hashes, tier)
+        if pid is None or tid is None:
             return
         queued = self._q_set.get(pid)
         if (queued and not queued.isdisjoint(engine_hashes)) or (

@@ -1407,3 +1407,15 @@ def test_the_compiled_owner_loops_equal_the_vectorised_batch_and_a_multiset(
                 for s in h.multi.occupied().tolist()
             }
             assert extra == {(k, p | t << 16): n - 1 for (k, p, t), n in owners.items() if n > 1}
+
+
+@pytest.mark.parametrize("how", ["remove", "discard"])
+def test_a_removal_on_a_tier_never_stored_on_still_ends_the_unknown_chain(how: str) -> None:
+    """An orphan's hash, then evicted from a tier the index has never seen: a later child of it is a new
+    loss (an orphan), not a descendant of the first one (found by the state machine test)."""
+    index = BlockIndex(BS)
+    assert index.store("p", [7], 999, list(range(BS)), BS, "gpu", ROOT).orphan
+    getattr(index, how)("p", [7], "cpu")
+    assert index.store("p", [8], 7, list(range(BS)), BS, "gpu", ROOT).orphan
+    stats = index.stats()
+    assert (stats.orphans, stats.orphan_descendants, stats.entries) == (2, 0, 0)
