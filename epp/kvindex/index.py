@@ -48,9 +48,13 @@ tokens, before any read (`lookup`, `lookup_weighted`, `pod_counts`, `pods`, `sta
 `clear_pod`, before an operation that touches an engine hash with queued work, and before a store that
 might push the index over its bound. The order of effects is therefore exactly that of the calls. A
 read pays for the queued work (about 1 us per queued block), so a caller that wants steady read
-latency calls `flush()` after each batch of events. `store_many` applies the BlockStored events of a
-message in one call (the same effects as `store` for each, less per-call work); token ids are queued packed
-(`packing.py`). Single writer, not thread-safe. Reads are in `reads.py`.
+latency calls `flush()` after each batch of events. `store_run` applies a run of BlockStored events of
+one tier and root given as columns (what the compiled scan of a message gives, `event_scan.py`) with the
+same effects as `store` for each: when every event chains from the root, a block queued or held, or an
+earlier event of the run, and nothing queued forces a flush in between, it queues the whole run in one
+pass (`_queue_run`: one set update, one token array); otherwise event by event. `store_many` groups a
+list of stores into runs. Token ids are queued as int64 arrays or packed bytes (`packing.py`). Single
+writer, not thread-safe. Reads are in `reads.py`.
 
 Limits: 65,534 pods at a time (ids are reused after `clear_pod`), 12 tier names, index blocks of up to
 256 tokens, engine blocks of up to 4,095 index blocks. The arrays (`holdings.py`, `table.py`) take 45-60
