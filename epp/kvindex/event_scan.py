@@ -21,8 +21,7 @@ Compiled with numba (`docs/architecture.md`, "Compiled loops").
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numba
 import numpy as np
@@ -453,8 +452,7 @@ Cleared = tuple[int]
 Run = StoredRun | RemovedRun | Cleared
 
 
-@dataclass(frozen=True, slots=True)
-class ScannedBatch:
+class ScannedBatch(NamedTuple):
     """A batch in the form ingestion applies: runs of events (`Run`); also made from `decode_batch`'s result
     (`ingest.decode`). `events`: how many events the runs hold; `skipped`: events of KV groups that are not
     full attention, left out."""

@@ -68,6 +68,11 @@ class NeedReplay:
 
 
 Outcome = Applied | Dropped | NeedReplay
+_APPLIED = [Applied(k) for k in range(257)]  # (immutable: shared, not built per message)
+
+
+def applied(events: int) -> Applied:
+    return _APPLIED[events] if events < len(_APPLIED) else Applied(events)
 
 
 @dataclass(slots=True)
@@ -215,7 +220,7 @@ class KvIngest:
             if not self._hold(pub, seq, payload, topic_model):
                 pub.replay_hole = True  # lost: its replayed copy would not fit either
                 return self.drop(pod, "overflow", now)
-            return Applied(0)
+            return _APPLIED[0]
         verdict = pub.seq.classify(seq)
         c = self._counters(pod)
         if verdict.kind is SeqKind.GAP:
@@ -336,14 +341,14 @@ class KvIngest:
     ) -> Outcome:
         pub = self._publisher(pod, rank)
         if pub.seq.already_applied(seq):
-            return Applied(0)
+            return _APPLIED[0]
         if pub.held and seq >= pub.held[0][0]:
             # Past the first held live message: the live copy is applied from `held` when the replay
             # ends; what the live stream lost in between is merged into `held`, in seq order.
             if not self._hold(pub, seq, payload, topic_model):
                 pub.replay_hole = True
                 return self.drop(pod, "overflow", now)
-            return Applied(0)
+            return _APPLIED[0]
         expected = 0 if pub.seq.last is None else pub.seq.last + 1
         if seq != expected:
             pub.replay_hole = True
@@ -453,7 +458,7 @@ class KvIngest:
         pub.seq.advance(seq)
         self.last_seq[pod] = seq
         self.freshness.message(pod, now, lag)
-        return Applied(batch.events)
+        return applied(batch.events)
 
     def _publisher(self, pod: str, rank: int) -> _Publisher:
         key = (pod, rank)

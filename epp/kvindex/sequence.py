@@ -29,6 +29,11 @@ class SeqVerdict:
     missing_to: int = 0  # for GAP: last missing seq (inclusive)
 
 
+_FIRST = SeqVerdict(SeqKind.FIRST)  # (verdicts without a range are shared: built once)
+_NEXT = SeqVerdict(SeqKind.NEXT)
+_RESTART = SeqVerdict(SeqKind.RESTART)
+
+
 class SequenceTracker:
     __slots__ = ("last",)
 
@@ -38,12 +43,12 @@ class SequenceTracker:
     def classify(self, seq: int) -> SeqVerdict:
         last = self.last
         if last is None:
-            return SeqVerdict(SeqKind.FIRST)
+            return _FIRST
         if seq == last + 1:
-            return SeqVerdict(SeqKind.NEXT)
+            return _NEXT
         if seq > last + 1:
             return SeqVerdict(SeqKind.GAP, last + 1, seq - 1)
-        return SeqVerdict(SeqKind.RESTART)
+        return _RESTART
 
     def already_applied(self, seq: int) -> bool:
         return self.last is not None and seq <= self.last
