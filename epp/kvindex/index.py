@@ -316,28 +316,16 @@ class BlockIndex(IndexReads, IndexRemovals):
         for parent, n, ntok, ebs in zip(
             parents, hashes_per_event, tokens_per_event, block_sizes, strict=True
         ):
-            pref = -1
-            s0 = 0
-            if parent is None:
-                npend0 = 0
-                s0 = self._roots.get(root, -1)
-                if s0 < 0:
-                    s0 = self._root_state(root)
+            v = None if parent is None else ends.get(parent)
+            if v is not None:
+                pref, npend0, s0 = v >> 8, v & 0xFF, 0
+            elif parent is not None and parent in run:
+                return False  # a block of the run other than an event's last
             else:
-                v = ends.get(parent)
-                if v is None:
-                    if parent in run:
-                        return False  # a block of the run other than an event's last
-                    v = self._queued_at(pid, parent)
-                if v is not None:
-                    pref = v >> 8
-                    npend0 = v & 0xFF
-                else:
-                    slot = -1 if left and left.get(parent) == 0 else self._h.find_record(pid, parent)
-                    if slot < 0:
-                        return False  # an orphan: `_store` counts it
-                    s0 = self._h.record_state(slot)
-                    npend0 = self._h.record_info(slot) & 0xFF
+                start = self._chain_start(pid, parent, root, left)
+                if start is None:
+                    return False  # an orphan: `_store` counts it
+                pref, npend0, s0 = start
             evs.append((pid, tid, n, ntok, ebs, pref, npend0))
             s0s.append(s0)
             h += n
@@ -403,27 +391,11 @@ class BlockIndex(IndexReads, IndexRemovals):
             self._flush()  # whether the parent is still held, and the order of effects
             left = None
 
-        pref = -1
-        s0 = 0
-        if parent_engine_hash is None:
-            npend0 = 0
-            s0 = self._roots.get(root, -1)
-            if s0 < 0:
-                s0 = self._root_state(root)
-        else:
-            v = self._queued_at(pid, parent_engine_hash)
-            if v is not None:
-                pref = v >> 8
-                npend0 = v & 0xFF
-            else:
-                slot = -1
-                if not (left and left.get(parent_engine_hash) == 0):
-                    slot = self._h.find_record(pid, parent_engine_hash)
-                if slot < 0:
-                    self._orphan(pid, parent_engine_hash, engine_hashes)
-                    return -1
-                s0 = self._h.record_state(slot)
-                npend0 = self._h.record_info(slot) & 0xFF
+        start = self._chain_start(pid, parent_engine_hash, root, left)
+        if start is None:
+            self._orphan(pid, parent_engine_hash, engine_hashes)  # type: ignore[arg-type]  # (not None here)
+            return -1
+        pref, npend0, s0 = start
 
         unknown = self._unknown.get(pid)
         if unknown:
@@ -449,6 +421,26 @@ class BlockIndex(IndexReads, IndexRemovals):
         if self._q_tok >= _FLUSH_TOKENS or self._q_blocks >= _FLUSH_BLOCKS:
             self._flush()
         return (npend0 + ntok) // bs
+
+    def _chain_start(
+        self, pid: int, parent: int | None, root: int, left: dict[int, int] | None
+    ) -> tuple[int, int, int] | None:
+        """Where an event's chain starts: (queue position of its parent block, or -1; tokens the parent
+        left past an index boundary; the start state when the parent is not queued: the root's, or the
+        held parent record's). None when the parent is not known for the pod (an orphan); `left`: the
+        pod's queued removals (a parent whose last tier goes in them is not known)."""
+        if parent is None:
+            s0 = self._roots.get(root, -1)
+            return -1, 0, s0 if s0 >= 0 else self._root_state(root)
+        v = self._queued_at(pid, parent)
+        if v is not None:
+            return v >> 8, v & 0xFF, 0
+        if left and left.get(parent) == 0:
+            return None
+        slot = self._h.find_record(pid, parent)
+        if slot < 0:
+            return None
+        return -1, self._h.record_info(slot) & 0xFF, self._h.record_state(slot)
 
     def _queued_at(self, pid: int, ehash: int) -> int | None:
         """The position of the latest queued store of (pod, engine hash), or None when none is queued."""
