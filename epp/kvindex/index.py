@@ -331,6 +331,22 @@ class BlockIndex(IndexReads, IndexRemovals):
             h += n
             g += n
             ends[hashes[h - 1]] = (g - 1) * 256 + (npend0 + ntok) % bs
+        self._enqueue(pid, evs, s0s, hashes, tokens, ends, len(tokens), weight)
+        return True
+
+    def _enqueue(
+        self,
+        pid: int,
+        evs: list[tuple[int, int, int, int, int, int, int]],
+        s0s: list[int],
+        hashes: Sequence[int],
+        tokens: bytes | npt.NDArray[np.integer],
+        ends: dict[int, int],
+        ntok: int,
+        weight: int,
+    ) -> None:
+        """Queue stores of `pid` whose chains are resolved: their rows, start states, hashes (in order), token
+        ids and the positions of their last blocks; flush when the queue is full."""
         unknown = self._unknown.get(pid)
         if unknown:
             for x in hashes:
@@ -343,16 +359,16 @@ class BlockIndex(IndexReads, IndexRemovals):
         if queued is None:
             queued = self._q_set[pid] = set()
             self._q_last[pid] = {}
-        if not queued.isdisjoint(run):
+        size = len(queued) + len(hashes)
+        queued.update(hashes)
+        if len(queued) != size:
             self._q_dups = True  # a hash queued twice for the pod
-        queued.update(run)
         self._q_last[pid].update(ends)
-        self._q_blocks = g
-        self._q_tok += len(tokens)
+        self._q_blocks += len(hashes)
+        self._q_tok += ntok
         self._q_weight += weight
         if self._q_tok >= _FLUSH_TOKENS or self._q_blocks >= _FLUSH_BLOCKS:
             self._flush()
-        return True
 
     def _store(
         self,
@@ -397,29 +413,9 @@ class BlockIndex(IndexReads, IndexRemovals):
             return -1
         pref, npend0, s0 = start
 
-        unknown = self._unknown.get(pid)
-        if unknown:
-            for h in engine_hashes:
-                unknown.pop(h, None)
-        g0 = self._q_blocks
-        self._q_ev.append((pid, tid, n, ntok, ebs, pref, npend0))
-        self._q_s0.append(s0)
-        self._q_hashes.extend(engine_hashes)
-        self._q_tokens.append(tokens)
-        queued = self._q_set.get(pid)
-        if queued is None:
-            queued = self._q_set[pid] = set()
-            self._q_last[pid] = {}
-        size = len(queued) + n
-        queued.update(engine_hashes)
-        if len(queued) != size:
-            self._q_dups = True  # a hash queued twice for the pod
-        self._q_last[pid][engine_hashes[-1]] = (g0 + n - 1) * 256 + (npend0 + ntok) % bs
-        self._q_blocks = g0 + n
-        self._q_tok += ntok
-        self._q_weight += weight
-        if self._q_tok >= _FLUSH_TOKENS or self._q_blocks >= _FLUSH_BLOCKS:
-            self._flush()
+        end = (self._q_blocks + n - 1) * 256 + (npend0 + ntok) % bs
+        ev = (pid, tid, n, ntok, ebs, pref, npend0)
+        self._enqueue(pid, [ev], [s0], engine_hashes, tokens, {engine_hashes[-1]: end}, ntok, weight)
         return (npend0 + ntok) // bs
 
     def _chain_start(
