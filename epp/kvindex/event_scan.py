@@ -3,9 +3,10 @@
 `decode_batch` (`events.py`) builds a Python object per event and a Python int per token id and hash:
 for a vLLM batch of 8 BlockStored of 256 tokens, that is most of the cost of ingesting it, and the index
 then packs the ids back into int64. `scan_batch` reads the msgpack bytes once, in compiled code, and
-writes what the index needs as columns: per event a row of `ROW` (kind, where its hashes and token ids
-are, block size, where its strings are), the hashes as uint64 and the token ids as int64 (a uint64 id
-wraps, as the keys take ids modulo 2^64).
+writes what the index needs as columns: the hashes as uint64, the token ids as int64 (a uint64 id wraps,
+as the keys take ids modulo 2^64), and per run of consecutive events of one kind, tier, model and KV
+group kind, where its hashes and tokens are and each event's parent, counts and block size
+(`ScannedBatch`: the runs `ingest.KvIngest` applies, one `BlockIndex.store_run` or `discard` each).
 
 It takes the shapes engines send (both encodings, every field of the reference, int and 32/16-byte
 digest hashes) and only what `decode_batch` would accept and read the same way. Anything else is left
@@ -66,7 +67,6 @@ _ORDER_AT: Final = np.array([0, 11, 14, 14], dtype=np.int64)
 _REQUIRED_N: Final = np.array([4, 1, 0], dtype=np.int64)
 
 _BAD: Final = -1
-_I64: Final = np.iinfo(np.int64).max
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
