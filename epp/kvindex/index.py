@@ -212,10 +212,10 @@ class BlockIndex(IndexReads, IndexRemovals):
             if run and (args is None or args[4:] != run[0][4:]):
                 tier, root = run[0][4], run[0][5]
                 tokens = [t for r in run for t in r[2]]
-                try:
-                    packed: StoreTokens = np.array(tokens, dtype=np.int64)
-                except (OverflowError, TypeError):
-                    packed = tokens
+                ids = pack_tokens(tokens, len(tokens))  # None unless they are all integers: then one by one
+                packed: StoreTokens = (
+                    tokens if ids is None else np.frombuffer(ids, np.int64) if isinstance(ids, bytes) else ids
+                )
                 orphans += self.store_run(
                     pod, tier, root,
                     [h for r in run for h in r[0]], [r[1] for r in run], [len(r[0]) for r in run],
