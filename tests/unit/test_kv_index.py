@@ -1419,3 +1419,11 @@ def test_a_removal_on_a_tier_never_stored_on_still_ends_the_unknown_chain(how: s
     assert index.store("p", [8], 7, list(range(BS)), BS, "gpu", ROOT).orphan
     stats = index.stats()
     assert (stats.orphans, stats.orphan_descendants, stats.entries) == (2, 0, 0)
+
+
+def test_store_many_rejects_token_ids_that_are_not_integers_as_store_does() -> None:
+    stores: list[StoreArgs] = [([1], None, [1.5, 2.0], 2, "gpu", ROOT), ([2], 1, [3, 4], 2, "gpu", ROOT)]  # type: ignore[list-item]
+    many, one = BlockIndex(2), BlockIndex(2)
+    assert many.store_many("p", stores) == sum(one.store("p", *args).orphan for args in stores) == 1
+    assert many.stats() == one.stats()
+    assert (many.stats().rejected, many.stats().entries) == (1, 0)
