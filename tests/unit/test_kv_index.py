@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from epp.kvindex import index as index_module
+from epp.kvindex import store_queue
 from epp.kvindex.index import BlockIndex, StoreArgs, StoreOutcome
 from epp.kvindex.keys import advance, block_keys, key_of, root_key, state_of
 from epp.kvindex.table import HashTable
@@ -1001,7 +1001,7 @@ def test_stamps_stay_ordered_when_rebased() -> None:
 
 
 def test_batches_flush_by_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(index_module, "_FLUSH_BLOCKS", 5)
+    monkeypatch.setattr(store_queue, "FLUSH_BLOCKS", 5)
     index = BlockIndex(BS)
     store_all(index, "p", TOKENS, BS, per_event=2)
     assert index._q_blocks < 5
