@@ -191,12 +191,7 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         """Index the blocks of one BlockStored event for `pod` on `tier` (see the module docstring).
         Engine hashes are 64-bit ints (`events.decode_batch` makes them unsigned; an engine that always
         sends them signed works too). A `token_ids` array may be kept by reference until the next flush."""
-        pid = self._pod_ids.get(pod)
-        if pid is None:
-            pid = self._new_pod(pod)
-        tid = self._tier_ids.get(tier)
-        if tid is None:
-            tid = self._new_tier(tier)
+        pid, tid = self._ids(pod, tier)
         k = self._store(pid, tid, engine_hashes, parent_engine_hash, token_ids, engine_block_size, root)
         if k < 0:
             return _ORPHAN
@@ -225,54 +220,6 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
             if args is not None:
                 run.append(args)
         return orphans
-
-    def _store(
-        self,
-        pid: int,
-        tid: int,
-        engine_hashes: Sequence[int],
-        parent_engine_hash: int | None,
-        token_ids: Sequence[int] | npt.NDArray[np.integer],
-        ebs: int,
-        root: int,
-    ) -> int:
-        """`store` for a pod id and tier id: the index blocks the event completes, or -1 for an orphan."""
-        n = len(engine_hashes)
-        ntok = len(token_ids)
-        bs = self.block_size
-        tokens = None
-        if n and pid >= 0 and tid >= 0 and 1 <= ebs <= self._max_ebs and (n - 1) * ebs < ntok <= n * ebs:
-            tokens = pack_tokens(token_ids, ntok)
-        if tokens is None:
-            if n:
-                self._rejected += 1
-                if pid >= 0:
-                    self._forget_chain(pid, engine_hashes)
-            return 0
-        # what the event may add to the bound: its keys, + 1 per engine block that might complete none
-        full = ntok == n * ebs
-        weight = (ntok + bs - 1) // bs + (0 if ebs >= bs and full else n)
-        if self._q_blocks and self._h.used + self._q_weight + weight > self.max_entries:
-            self._flush()  # this store may evict: what it sees must include the queued stores' evictions
-        left = self._r_left.get(pid)
-        if left and not left.keys().isdisjoint(engine_hashes):
-            self._flush()
-            left = None
-        discarded = self._d_set.get(pid)
-        if discarded and (parent_engine_hash in discarded or not discarded.isdisjoint(engine_hashes)):
-            self._flush()  # whether the parent is still held, and the order of effects
-            left = None
-
-        start = self._chain_start(pid, parent_engine_hash, root, left)
-        if start is None:
-            self._orphan(pid, parent_engine_hash, engine_hashes)  # type: ignore[arg-type]  # (not None here)
-            return -1
-        pref, npend0, s0 = start
-
-        end = (self._q_blocks + n - 1) * 256 + (npend0 + ntok) % bs
-        ev = (pid, tid, n, ntok, ebs, pref, npend0)
-        self._enqueue(pid, [ev], [s0], engine_hashes, tokens, {engine_hashes[-1]: end}, ntok, weight)
-        return (npend0 + ntok) // bs
 
     def _removals_queued(self) -> None:
         if len(self._r_units) + self._d_count >= store_queue.FLUSH_BLOCKS:
@@ -342,23 +289,6 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
                 self._roots.clear()
             s = self._roots[root] = state_of(root)
         return s
-
-    def _orphan(self, pid: int, parent: int, engine_hashes: Sequence[int]) -> StoreOutcome:
-        self._orphans += 1
-        unknown = self._unknown.get(pid)
-        if unknown is not None and parent in unknown:
-            self._descendants += 1
-        self._forget_chain(pid, engine_hashes)
-        return _ORPHAN
-
-    def _forget_chain(self, pid: int, engine_hashes: Sequence[int]) -> None:
-        unknown = self._unknown.get(pid)
-        if unknown is None:
-            unknown = self._unknown[pid] = {}
-        for h in engine_hashes:
-            unknown[h] = None
-        while len(unknown) > self.max_unknown:
-            del unknown[next(iter(unknown))]
 
     def _flush(self) -> None:
         h = self._h

@@ -1,11 +1,12 @@
 """The store queue of the block index (`index.BlockIndex`): runs of stores and queued positions. Pure.
 
-`IndexQueue` is a mixin. `BlockIndex.store` resolves where an event's chain starts (`_chain_start`: the
-root, a queued parent, a held parent, or an orphan) and queues it (`_enqueue`); `store_run` takes a run
+`IndexQueue` is a mixin. `_store` (one BlockStored, for `BlockIndex.store`) checks the event, resolves
+where its chain starts (`_chain_start`: the root, a queued parent, a held parent, or an orphan, whose
+hashes join the pod's unknown chain) and queues it (`_enqueue`); `store_run` takes a run
 of stores given as columns (what the compiled scan of a message gives, `event_scan.py`) and, when every
 event chains from something known and nothing queued forces a flush in between, queues the whole run in
 one pass (`_queue_run`: one set update, one token array) with the same effects as `store` for each.
-`BlockIndex` provides the state, `_store` (one event), `_flush` and the pod and tier ids.
+`BlockIndex` provides the state, `_flush` and the pod and tier ids.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.holdings import Holdings
-from epp.kvindex.packing import StoreTokens
+from epp.kvindex.packing import StoreTokens, pack_tokens
 
 FLUSH_TOKENS: Final = 1 << 16
 FLUSH_BLOCKS: Final = 4096
@@ -51,6 +52,10 @@ class IndexQueue:
     _q_dups: bool
     _pod_ids: dict[str, int]
     _tier_ids: dict[str, int]
+    max_unknown: int
+    _orphans: int
+    _descendants: int
+    _rejected: int
 
     def _flush(self) -> None:
         raise NotImplementedError
@@ -64,17 +69,15 @@ class IndexQueue:
     def _root_state(self, root: int) -> int:
         raise NotImplementedError
 
-    def _store(
-        self,
-        pid: int,
-        tid: int,
-        engine_hashes: Sequence[int],
-        parent_engine_hash: int | None,
-        token_ids: StoreTokens,
-        ebs: int,
-        root: int,
-    ) -> int:
-        raise NotImplementedError
+    def _ids(self, pod: str, tier: str) -> tuple[int, int]:
+        """The pod's and the tier's ids, given on first sight (-1: over the limits)."""
+        pid = self._pod_ids.get(pod)
+        if pid is None:
+            pid = self._new_pod(pod)
+        tid = self._tier_ids.get(tier)
+        if tid is None:
+            tid = self._new_tier(tier)
+        return pid, tid
 
     def store_run(
         self,
@@ -96,12 +99,7 @@ class IndexQueue:
             raise ValueError("store_run: parents and the per-event counts and sizes differ in length")
         if sum(hashes_per_event) != len(hashes) or sum(tokens_per_event) != len(tokens):
             raise ValueError("store_run: the per-event counts do not add up to the hashes and tokens given")
-        pid = self._pod_ids.get(pod)
-        if pid is None:
-            pid = self._new_pod(pod)
-        tid = self._tier_ids.get(tier)
-        if tid is None:
-            tid = self._new_tier(tier)
+        pid, tid = self._ids(pod, tier)
         if (
             len(parents) > 1
             and pid >= 0
@@ -271,3 +269,67 @@ class IndexQueue:
         self._q_full_upto = len(self._q_ev)
         self._q_full_g = g
         return self._q_full[pid][ehash]
+
+    def _store(
+        self,
+        pid: int,
+        tid: int,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int] | npt.NDArray[np.integer],
+        ebs: int,
+        root: int,
+    ) -> int:
+        """`store` for a pod id and tier id: the index blocks the event completes, or -1 for an orphan."""
+        n = len(engine_hashes)
+        ntok = len(token_ids)
+        bs = self.block_size
+        tokens = None
+        if n and pid >= 0 and tid >= 0 and 1 <= ebs <= self._max_ebs and (n - 1) * ebs < ntok <= n * ebs:
+            tokens = pack_tokens(token_ids, ntok)
+        if tokens is None:
+            if n:
+                self._rejected += 1
+                if pid >= 0:
+                    self._forget_chain(pid, engine_hashes)
+            return 0
+        # what the event may add to the bound: its keys, + 1 per engine block that might complete none
+        full = ntok == n * ebs
+        weight = (ntok + bs - 1) // bs + (0 if ebs >= bs and full else n)
+        if self._q_blocks and self._h.used + self._q_weight + weight > self.max_entries:
+            self._flush()  # this store may evict: what it sees must include the queued stores' evictions
+        left = self._r_left.get(pid)
+        if left and not left.keys().isdisjoint(engine_hashes):
+            self._flush()
+            left = None
+        discarded = self._d_set.get(pid)
+        if discarded and (parent_engine_hash in discarded or not discarded.isdisjoint(engine_hashes)):
+            self._flush()  # whether the parent is still held, and the order of effects
+            left = None
+
+        start = self._chain_start(pid, parent_engine_hash, root, left)
+        if start is None:
+            self._orphan(pid, parent_engine_hash, engine_hashes)  # type: ignore[arg-type]  # (not None here)
+            return -1
+        pref, npend0, s0 = start
+
+        end = (self._q_blocks + n - 1) * 256 + (npend0 + ntok) % bs
+        ev = (pid, tid, n, ntok, ebs, pref, npend0)
+        self._enqueue(pid, [ev], [s0], engine_hashes, tokens, {engine_hashes[-1]: end}, ntok, weight)
+        return (npend0 + ntok) // bs
+
+    def _orphan(self, pid: int, parent: int, engine_hashes: Sequence[int]) -> None:
+        self._orphans += 1
+        unknown = self._unknown.get(pid)
+        if unknown is not None and parent in unknown:
+            self._descendants += 1
+        self._forget_chain(pid, engine_hashes)
+
+    def _forget_chain(self, pid: int, engine_hashes: Sequence[int]) -> None:
+        unknown = self._unknown.get(pid)
+        if unknown is None:
+            unknown = self._unknown[pid] = {}
+        for h in engine_hashes:
+            unknown[h] = None
+        while len(unknown) > self.max_unknown:
+            del unknown[next(iter(unknown))]
