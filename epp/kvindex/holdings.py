@@ -172,6 +172,8 @@ class Holdings:
             times = np.diff(np.r_[-1, np.flatnonzero(last)])
             uid, stamps = order[last] >> _U(32), (order[last] & _U(0xFFFFFFFF)).astype(np.uint32)
             slots, tiers = (uid // MAX_TIERS).astype(np.intp), (uid % MAX_TIERS).astype(np.intp)
+        if times is None and self._add_units(slots, tiers, stamps):
+            return
         shift = (tiers + TIER_SHIFT).astype(np.uint32)
         was = (info_col[slots] >> shift) & 1
         more = was.astype(np.intp) if times is None else times - 1 + was  # copies added to held ones
@@ -192,6 +194,37 @@ class Holdings:
         fresh = was == 0
         if fresh.any():
             self._link(slots[fresh], tiers[fresh])
+
+    def _add_units(self, slots: Index, tiers: Index, stamps: npt.NDArray[np.uint32]) -> bool:
+        """The rest of `add` for distinct units by `ownership.add_units` (one compiled pass); False, nothing
+        done, when a record has `extra` rows."""
+        rec, blocks = self.records, self.blocks
+        n = len(slots)
+        keys = np.empty(n, dtype=np.uint64)
+        copies, later, again = (np.empty(n, dtype=np.intp) for _ in range(3))
+        load = blocks.roomy_load if blocks.size + 1 < blocks.roomy_until else blocks.max_load
+        room = int(load * blocks.capacity) - blocks.size
+        stamp_cols = tuple(rec.cols[f"s{t}"] for t in range(self.ntiers))
+        ncopies, nlater, nagain, used, created, inserted = ownership.add_units(
+            rec.cols["state"], rec.cols["info"], rec.tags, stamp_cols, self._masks(), blocks.keys,
+            blocks.tags, blocks.count, blocks.nb, room, self.counts, self.units, slots, tiers, stamps, keys,
+            copies, later, again,
+        )  # fmt: skip
+        if ncopies < 0:
+            return False
+        blocks.size += inserted
+        self.used += used
+        self.entries += created
+        if ncopies:
+            c = copies[:ncopies]
+            self._add_copies(slots[c], tiers[c], np.ones(ncopies, dtype=np.intp))
+        if nagain:
+            a = again[:nagain]
+            self._more_owners(keys[a], rec.tags[slots[a]].astype(np.intp), tiers[a])
+        if nlater:  # no room in the blocks table for these: the general path (growth, the cuckoo walk)
+            lt = later[:nlater]
+            self._own(keys[lt], rec.tags[slots[lt]].astype(np.intp), tiers[lt], +1)
+        return True
 
     def _add_copies(self, slots: Index, tiers: Index, more: Index) -> None:
         """Count `more` copies (beyond the first) of the units (slots, tiers); units are distinct."""
@@ -254,10 +287,8 @@ class Holdings:
             rows, _ = self.blocks.upsert(keys, tags, {})
             again = np.zeros(len(rows), dtype=bool)
             created = ownership.add_owners(self._masks(), rows, pods, tiers, self.counts, again)
-            if again.any():  # owners beyond the first
-                multi_tags = (pods[again] | (tiers[again] << 16)).astype(np.uint32)
-                at, _ = self.multi.upsert(keys[again], multi_tags, {})
-                np.add.at(self.multi.cols["n"], at, np.uint32(1))
+            if again.any():
+                self._more_owners(keys[again], pods[again], tiers[again])
             self.entries += created
             return int(created)
         if self.multi.size:
@@ -268,6 +299,11 @@ class Holdings:
         self.blocks.delete(emptied[:k])
         self.entries -= removed
         return int(removed)
+
+    def _more_owners(self, keys: U64, pods: Index, tiers: Index) -> None:
+        """Count owners beyond the first of entries (key, pod, tier) in `multi`, one per item."""
+        at, _ = self.multi.upsert(keys, (pods | (tiers << 16)).astype(np.uint32), {})
+        np.add.at(self.multi.cols["n"], at, np.uint32(1))
 
     def _masks(self) -> tuple[npt.NDArray[np.uint32], ...]:
         cols = self.blocks.cols

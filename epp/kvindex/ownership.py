@@ -8,7 +8,8 @@ anything) and reports the rows left with no bit in any tier, for the caller to d
 per-(pod, tier) entry counts. Items are taken in order, which gives the batch semantics of the
 vectorised version (an entry named twice gains one bit and one extra owner, or loses its bit once).
 
-`remove_units` removes whole units in the common case (records that own only their implicit key).
+`add_units` and `remove_units` add and remove whole units in the common case (records that own only
+their implicit key): stamps, tier bits, accounting and the key's bit, one pass over the batch.
 `own_batch` is the vectorised version of `Holdings._own` (it sorts the batch's (row, tier, pod) ids to
 merge repeats, ~25 numpy calls per flush): the path while `multi` holds anything, and the reference the
 loops are tested against.
@@ -25,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.block_chain import fmix
-from epp.kvindex.cuckoo import find_one
+from epp.kvindex.cuckoo import BUCKET, find_one
 
 if TYPE_CHECKING:
     from epp.kvindex.holdings import U64, Holdings
@@ -147,6 +148,91 @@ def remove_units(  # pragma: no cover - compiled
     return removed, used, ngone, nempty
 
 
+@numba.njit(cache=True, nogil=True)
+def add_units(  # pragma: no cover - compiled
+    state: Any,
+    info: Any,
+    rtags: Any,
+    stamps: Any,
+    masks: Any,
+    bkeys: Any,
+    btags: Any,
+    bcount: Any,
+    nb: int,
+    room: int,
+    counts: Any,
+    units: Any,
+    slots: Any,
+    tiers: Any,
+    stamp_of: Any,
+    keys: Any,
+    copies: Any,
+    later: Any,
+    again: Any,
+) -> tuple[int, int, int, int, int, int]:
+    """The unit half of `Holdings.add` for distinct units (slots[i], tiers[i]) whose records own only
+    their implicit key (no `extra` rows): each gets its stamp; one held already is listed in `copies` (the
+    caller counts one more copy); a new one gets its tier bit and its accounting, and its record's key
+    (keys[i]) its pod's bit on the tier, in a `blocks` row inserted when absent (`room` inserts at most;
+    an item whose two buckets are full, or past `room`, goes to `later` for the caller's `_own`). An
+    item whose bit was set already goes to `again` (the caller counts the owner in `multi`). Returns
+    (copies, later, again, `used` added, entries created, rows inserted), or -1s, changing nothing, when
+    a record has `extra` rows."""
+    for i in range(slots.shape[0]):
+        v = info[slots[i]]
+        nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
+        if nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0):
+            return -1, -1, -1, -1, -1, -1
+    ncopies = nlater = nagain = 0
+    used: Any = 0
+    created = 0
+    inserted = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        t = tiers[i]
+        stamps[t][s] = stamp_of[i]
+        tbit = numba.uint32(1) << numba.uint32(t + 20)
+        v = info[s]
+        if v & tbit:
+            copies[ncopies] = i
+            ncopies += 1
+            continue
+        info[s] = v | tbit
+        pod = np.int64(rtags[s])
+        units[pod] += 1
+        nk = np.int64((v >> numba.uint32(8)) & numba.uint32(0xFFF))
+        used += nk if nk > 1 else 1
+        if nk == 0:
+            continue  # a block shorter than an index block completes no key
+        key = fmix(state[s])
+        keys[i] = key
+        tag = pod >> 5
+        r, b1, b2 = find_one(bkeys, btags, bcount, nb, key, tag)
+        if r < 0:
+            b = b2 if bcount[b2] < bcount[b1] else b1
+            c = np.int64(bcount[b])
+            if room <= 0 or c >= BUCKET:
+                later[nlater] = i
+                nlater += 1
+                continue
+            r = b * BUCKET + c
+            bkeys[r] = key
+            btags[r] = tag
+            bcount[b] = c + 1
+            room -= 1
+            inserted += 1
+        m = masks[t]
+        bit = numba.uint32(1) << numba.uint32(pod & 31)
+        if m[r] & bit:
+            again[nagain] = i
+            nagain += 1
+        else:
+            m[r] |= bit
+            counts[pod, t] += 1
+            created += 1
+    return ncopies, nlater, nagain, used, created, inserted
+
+
 def own_batch(
     h: Holdings, keys: U64, pods: Index, tiers: Index, tags: npt.NDArray[np.uint16], sign: int
 ) -> int:
@@ -220,6 +306,11 @@ def warm_up(ntiers: int = 1) -> None:
     drop_owners(masks, one, one, one, counts, np.zeros(1, dtype=np.intp))
     u64, u32, u16 = np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint32), np.zeros(1, dtype=np.uint16)
     out = np.zeros(1, dtype=np.intp)
+    stamps = masks  # (uint32 columns, one per tier)
+    add_units(
+        u64, u32, u16, stamps, masks, u64, u16, np.zeros(1, dtype=np.uint8), 1, 0, counts, out, one,
+        one, u32, u64, out, out, out,
+    )  # fmt: skip
     remove_units(
         u64, u32, u16, masks, masks, u64, u16, np.zeros(1, dtype=np.uint8), 1, counts, out, one, one, out, out
     )

@@ -200,7 +200,7 @@ class HashTable:
             placed = i + np.flatnonzero(new[i:j])
             if placed.size:
                 self.size += len(placed)
-                self._write(slots[placed], keys[placed], tags[placed], values, placed)
+                self._write_columns(slots[placed], values, placed)  # the loop wrote keys and tags
             if code == cuckoo.NO_ROOM:  # grow for every absent item left, as `_insert` does for a batch
                 absent = nstuck + int(np.count_nonzero(self.find(keys[j:], tags[j:]) < 0))
                 table_growth.grow(self, self.size + absent)
@@ -332,6 +332,11 @@ class HashTable:
                 col[at] = v[src]
             elif not empty:
                 col[at] = self.specs[name][1]
+
+    def _write_columns(self, at: Index, values: Mapping[str, Array], src: Index) -> None:
+        """`_write` to free slots whose keys and tags are written already."""
+        for name, v in values.items():
+            self.cols[name][at] = v[src]
 
     # -- delete --------------------------------------------------------------------------
     def delete(self, slots: Index) -> None:
