@@ -20,6 +20,8 @@ from typing import Any, Final
 import numba
 import numpy as np
 
+from epp.kvindex.prefetch import AHEAD, prefetch
+
 BUCKET: Final = 8  # probe.BUCKET (a literal here: numba reads module globals as constants)
 DONE: Final = 0
 NO_ROOM: Final = 1
@@ -60,12 +62,25 @@ def find_one(tkeys: Any, ttags: Any, count: Any, nb: int, key: Any, tag: Any) ->
     return s, b1, b2
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def prefetch_pair(tkeys: Any, count: Any, nb: int, key: Any, tag: Any) -> None:  # pragma: no cover
+    """Start loading what probing (key, tag) reads first: both buckets' counts and keys."""
+    b1, b2 = _pair(key, tag, nb)
+    prefetch(count, b1)
+    prefetch(count, b2)
+    prefetch(tkeys, b1 * BUCKET)
+    prefetch(tkeys, b2 * BUCKET)
+
+
 @numba.njit(cache=True, nogil=True)
 def find_run(  # pragma: no cover - compiled
     tkeys: Any, ttags: Any, count: Any, nb: int, keys: Any, tags: Any, out: Any
 ) -> None:
     """out[i]: the slot of (keys[i], tags[i]), or -1."""
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:
+            prefetch_pair(tkeys, count, nb, keys[i + AHEAD], tags[i + AHEAD])
         out[i] = find_one(tkeys, ttags, count, nb, keys[i], tags[i])[0]
 
 
@@ -87,7 +102,10 @@ def upsert_run(  # pragma: no cover - compiled
     """Items start, start + 1, ...: slots[i] = the slot of item i, inserting it (new[i] = True) when absent;
     an absent item whose buckets are both full is added to `stuck` (its first `nstuck` are taken) and
     left for the caller. Returns (the item it stopped at, DONE | NO_ROOM, items now in `stuck`)."""
-    for i in range(start, keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(start, n):
+        if i + AHEAD < n:
+            prefetch_pair(tkeys, count, nb, keys[i + AHEAD], tags[i + AHEAD])
         key = keys[i]
         tag = tags[i]
         s, b1, b2 = find_one(tkeys, ttags, count, nb, key, tag)
@@ -109,7 +127,7 @@ def upsert_run(  # pragma: no cover - compiled
         room -= 1
         slots[i] = s
         new[i] = True
-    return keys.shape[0], DONE, nstuck
+    return n, DONE, nstuck
 
 
 @numba.njit(cache=True, nogil=True)
