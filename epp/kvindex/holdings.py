@@ -33,7 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import block_chain, ownership
+from epp.kvindex import block_chain, ownership, table_growth
 from epp.kvindex.keys import MASK64, fmix_array
 from epp.kvindex.probe import Index
 from epp.kvindex.table import HashTable
@@ -202,7 +202,10 @@ class Holdings:
         n = len(slots)
         keys = np.empty(n, dtype=np.uint64)
         copies, later, again = (np.empty(n, dtype=np.intp) for _ in range(3))
-        load = blocks.roomy_load if blocks.size + 1 < blocks.roomy_until else blocks.max_load
+        load = blocks.roomy_load if blocks.size + n < blocks.roomy_until else blocks.max_load
+        if blocks.size + n > load * blocks.capacity:  # room for a new row per unit (one grows once)
+            table_growth.grow(blocks, blocks.size + n)
+            load = blocks.roomy_load if blocks.size + n < blocks.roomy_until else blocks.max_load
         room = int(load * blocks.capacity) - blocks.size
         stamp_cols = tuple(rec.cols[f"s{t}"] for t in range(self.ntiers))
         ncopies, nlater, nagain, used, created, inserted = ownership.add_units(
