@@ -46,6 +46,7 @@ TIER_SHIFT: Final = 20
 CHUNK_BITS: Final = 5  # 32 pods per mask
 _U = np.uint64
 _STAMP_LIMIT: Final = STAMP_NONE - 1
+_FEW: Final = 64  # up to this many items, a set tells distinct ones faster than a sort
 
 U64 = npt.NDArray[np.uint64]
 
@@ -318,7 +319,10 @@ class Holdings:
         a unit whose last copy goes is removed. Returns the entries removed."""
         if slots.size == 0:
             return 0
-        uid, k = np.unique(slots * MAX_TIERS + tiers, return_counts=True)
+        uid = slots * MAX_TIERS + tiers
+        if self.copies.size == 0 and len(uid) <= _FEW and len(set(uid.tolist())) == len(uid):
+            return self.remove_units(slots, tiers)  # (distinct units, each with one copy; no sort)
+        uid, k = np.unique(uid, return_counts=True)
         if self.copies.size == 0:  # every unit has one copy: each named unit goes
             return self.remove_units(uid // MAX_TIERS, uid % MAX_TIERS)
         slots, tiers = uid // MAX_TIERS, uid % MAX_TIERS

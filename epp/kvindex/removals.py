@@ -125,14 +125,15 @@ class IndexRemovals:
     def _apply_removals(self) -> None:
         """The queued removals and discards, in one batch."""
         h = self._h
-        pods, hashes, tiers = zip(*self._r_units, strict=True) if self._r_units else ((), (), ())
-        dp, dt, dh = zip(*self._d_calls, strict=True) if self._d_calls else ((), (), ())
-        sizes = [len(x) for x in dh]
-        slots = h.records.find(
-            as_u64([*hashes, *itertools.chain.from_iterable(dh)]),
-            np.r_[np.array(pods, dtype=np.uint16), np.repeat(np.array(dp, dtype=np.uint16), sizes)],
-        )
-        units = np.r_[np.array(tiers, dtype=np.intp), np.repeat(np.array(dt, dtype=np.intp), sizes)]
+        pods = [u[0] for u in self._r_units]
+        hashes = [u[1] for u in self._r_units]
+        tiers = [u[2] for u in self._r_units]
+        for pid, tid, engine_hashes in self._d_calls:  # (lists: cheaper than numpy calls for a few)
+            hashes.extend(engine_hashes)
+            pods.extend(itertools.repeat(pid, len(engine_hashes)))
+            tiers.extend(itertools.repeat(tid, len(engine_hashes)))
+        slots = h.records.find(as_u64(hashes), np.array(pods, dtype=np.uint16))
+        units = np.array(tiers, dtype=np.intp)
         # a discard of a block the pod does not hold on the tier is a no-op (`remove` queues live units)
         info = h.records.cols["info"][slots] >> (units + TIER_SHIFT).astype(np.uint32)
         held = (slots >= 0) & ((info & 1) == 1)
