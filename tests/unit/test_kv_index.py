@@ -1427,3 +1427,26 @@ def test_store_many_rejects_token_ids_that_are_not_integers_as_store_does() -> N
     assert many.store_many("p", stores) == sum(one.store("p", *args).orphan for args in stores) == 1
     assert many.stats() == one.stats()
     assert (many.stats().rejected, many.stats().entries) == (1, 0)
+
+
+@pytest.mark.parametrize("calls", [[[2, 2]], [[2], [2]], [[3, 2], [2, 3]]])
+def test_a_block_discarded_twice_in_one_batch_goes_once(calls: list[list[int]]) -> None:
+    """Discards are resolved together at the next flush: a unit named twice (in one call or two) is one
+    removal of its one copy, as two `remove` calls are (the second finds nothing)."""
+    tokens = list(range(3 * BS))
+    discarded, removed = BlockIndex(BS), BlockIndex(BS)
+    for index in (discarded, removed):
+        index.store("p", [1, 2, 3], None, tokens, BS, "gpu", ROOT)
+        index.flush()
+    for hashes in calls:
+        discarded.discard("p", hashes, "gpu")
+        for h in hashes:
+            removed.remove("p", [h], "gpu")
+    discarded.flush()
+    removed.flush()
+    assert discarded.stats() == removed.stats()
+    assert discarded.stats().entries == 3 - len({h for hashes in calls for h in hashes})
+    # what the memory bound counts, and the units per pod, moved once per unit too
+    assert (discarded._h.used, discarded._h.units.tolist()) == (removed._h.used, removed._h.units.tolist())
+    keys = block_keys(tokens, BS, ROOT)
+    assert discarded.lookup(keys, ["p"]) == removed.lookup(keys, ["p"]) == {"p": {"any": 1, "gpu": 1}}
