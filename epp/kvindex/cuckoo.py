@@ -72,6 +72,23 @@ def prefetch_pair(tkeys: Any, count: Any, nb: int, key: Any, tag: Any) -> None: 
     prefetch(tkeys, b2 * BUCKET)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def place(  # pragma: no cover - compiled
+    tkeys: Any, ttags: Any, count: Any, b1: Any, b2: Any, key: Any, tag: Any
+) -> Any:
+    """Put an absent item into the emptier of its buckets (the first on a tie): its slot, or -1 (nothing
+    written) when that bucket is full."""
+    b = b2 if count[b2] < count[b1] else b1
+    c = np.int64(count[b])
+    if c >= BUCKET:
+        return -1
+    s = b * BUCKET + c
+    tkeys[s] = key
+    ttags[s] = tag
+    count[b] = c + 1
+    return s
+
+
 @numba.njit(cache=True, nogil=True)
 def find_run(  # pragma: no cover - compiled
     tkeys: Any, ttags: Any, count: Any, nb: int, keys: Any, tags: Any, out: Any
@@ -114,16 +131,11 @@ def upsert_run(  # pragma: no cover - compiled
             continue
         if room <= 0:
             return i, NO_ROOM, nstuck
-        b = b2 if count[b2] < count[b1] else b1
-        c: Any = np.int64(count[b])
-        if c >= BUCKET:
+        s = place(tkeys, ttags, count, b1, b2, key, tag)
+        if s < 0:
             stuck[nstuck] = i
             nstuck += 1
             continue
-        s = b * BUCKET + c
-        tkeys[s] = key
-        ttags[s] = tag
-        count[b] = c + 1
         room -= 1
         slots[i] = s
         new[i] = True

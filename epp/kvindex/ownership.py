@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.block_chain import fmix
-from epp.kvindex.cuckoo import BUCKET, find_one
+from epp.kvindex.cuckoo import find_one, place
 
 if TYPE_CHECKING:
     from epp.kvindex.holdings import U64, Holdings
@@ -90,6 +90,17 @@ def drop_owners(  # pragma: no cover - compiled
     return removed, k
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _with_extra_rows(info: Any, slots: Any) -> bool:  # pragma: no cover - compiled
+    """Whether a record at `slots` owns keys besides its implicit one (rows in `extra`)."""
+    for i in range(slots.shape[0]):
+        v = info[slots[i]]
+        nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
+        if nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0):
+            return True
+    return False
+
+
 @numba.njit(cache=True, nogil=True)
 def remove_units(  # pragma: no cover - compiled
     state: Any,
@@ -114,11 +125,8 @@ def remove_units(  # pragma: no cover - compiled
     `gone`, a block row left with no bit to `emptied` (the caller deletes both). Returns (entries
     removed, `used` released, records gone, rows emptied), or (-1, 0, 0, 0), changing nothing, when a
     record has `extra` rows."""
-    for i in range(slots.shape[0]):
-        v = info[slots[i]]
-        nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
-        if nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0):
-            return -1, 0, 0, 0
+    if _with_extra_rows(info, slots):
+        return -1, 0, 0, 0
     removed = 0
     used: Any = 0
     ngone = 0
@@ -178,11 +186,8 @@ def add_units(  # pragma: no cover - compiled
     item whose bit was set already goes to `again` (the caller counts the owner in `multi`). Returns
     (copies, later, again, `used` added, entries created, rows inserted), or -1s, changing nothing, when
     a record has `extra` rows."""
-    for i in range(slots.shape[0]):
-        v = info[slots[i]]
-        nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
-        if nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0):
-            return -1, -1, -1, -1, -1, -1
+    if _with_extra_rows(info, slots):
+        return -1, -1, -1, -1, -1, -1
     ncopies = nlater = nagain = 0
     used: Any = 0
     created = 0
@@ -209,16 +214,11 @@ def add_units(  # pragma: no cover - compiled
         tag = pod >> 5
         r, b1, b2 = find_one(bkeys, btags, bcount, nb, key, tag)
         if r < 0:
-            b = b2 if bcount[b2] < bcount[b1] else b1
-            c = np.int64(bcount[b])
-            if room <= 0 or c >= BUCKET:
+            r = place(bkeys, btags, bcount, b1, b2, key, tag) if room > 0 else -1
+            if r < 0:
                 later[nlater] = i
                 nlater += 1
                 continue
-            r = b * BUCKET + c
-            bkeys[r] = key
-            btags[r] = tag
-            bcount[b] = c + 1
             room -= 1
             inserted += 1
         m = masks[t]
