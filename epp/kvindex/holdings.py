@@ -34,14 +34,13 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex import block_chain, ownership, table_growth
+from epp.kvindex.eviction import MAX_KEYS_PER_RECORD, STAMP_NONE, Eviction
 from epp.kvindex.keys import MASK64, fmix_array
 from epp.kvindex.probe import Index
 from epp.kvindex.table import HashTable
 
 MAX_TIERS: Final = 12
-MAX_KEYS_PER_RECORD: Final = 0xFFF
 MAX_PODS: Final = 0xFFFF  # pod ids 0..65534 (65535 marks an empty slot)
-STAMP_NONE: Final = 0xFFFFFFFF
 TIER_SHIFT: Final = 20
 CHUNK_BITS: Final = 5  # 32 pods per mask
 _U = np.uint64
@@ -70,7 +69,7 @@ class Batch:
     dups: bool  # some (pod, engine hash) is stored more than once
 
 
-class Holdings:
+class Holdings(Eviction):
     def __init__(self, block_size: int, roomy_until: int = 0) -> None:
         """`roomy_until`: tables holding fewer items trade memory for speed (`table.py`, Growth)."""
         self.bs = block_size
@@ -87,13 +86,6 @@ class Holdings:
         self.used = 0  # sum over units of max(keys, 1): what the memory bound counts
         self.stamp = 0
         self._select_none()
-
-    def _select_none(self) -> None:
-        self._cand_hashes: U64 = np.zeros(0, dtype=np.uint64)
-        self._cand_pods: npt.NDArray[np.uint16] = np.zeros(0, dtype=np.uint16)
-        self._cand_tiers: Index = np.zeros(0, dtype=np.intp)
-        self._cand_stamps: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
-        self._cand_pos = 0
 
     def add_tier(self) -> int:
         t = self.ntiers
@@ -399,61 +391,6 @@ class Holdings:
         ts = [np.full(int(((tiers >> t) & 1).sum()), t, dtype=np.intp) for t in range(self.ntiers)]
         ss = [slots[((tiers >> t) & 1) == 1] for t in range(self.ntiers)]
         return np.concatenate([np.zeros(0, np.intp), *ss]), np.concatenate([np.zeros(0, np.intp), *ts])
-
-    # -- eviction ----------------------------------------------------------------------
-    def evict(self, need: int) -> int:
-        """Remove the least recently stored units until `used` dropped by at least `need`; returns the
-        entries removed.
-
-        Finding the oldest units scans every stamp, so a scan keeps several rounds' worth of candidates
-        (by identity and stamp: slots move). A candidate whose stamp changed was refreshed or removed
-        since and is skipped; units stored since are newer than every candidate. So the candidates
-        still valid are always the oldest units, in order, and eviction stays exactly LRU."""
-        removed = 0
-        while need > 0 and self.used > 0 and self.ntiers:
-            if self._cand_pos >= len(self._cand_stamps):
-                self._select(need)
-            lo, hi = self._cand_pos, self._cand_pos + need  # weights are >= 1: `need` units are enough
-            hashes, pods = self._cand_hashes[lo:hi], self._cand_pods[lo:hi]
-            tiers, stamps = self._cand_tiers[lo:hi], self._cand_stamps[lo:hi]
-            slots = self.records.find(hashes, pods)
-            now = np.full(len(slots), STAMP_NONE, dtype=np.uint32)
-            for t in np.flatnonzero(np.bincount(tiers, minlength=self.ntiers)).tolist():
-                sel = (tiers == t) & (slots >= 0)
-                now[sel] = self.records.cols[f"s{t}"][slots[sel]]
-            valid = np.flatnonzero(now == stamps)
-            info = self.records.cols["info"][slots[valid]]
-            w = np.maximum((info >> 8) & MAX_KEYS_PER_RECORD, 1).astype(np.int64)
-            cut = min(int(np.searchsorted(np.cumsum(w), need)) + 1, len(valid))
-            self._cand_pos = lo + (int(valid[cut - 1]) + 1 if cut < len(valid) else len(slots))
-            need -= int(w[:cut].sum())
-            removed += self.remove_units(slots[valid[:cut]], tiers[valid[:cut]])
-        return removed
-
-    def _select(self, need: int) -> None:
-        """Candidates for eviction: the oldest units, a few rounds' worth, oldest first."""
-        cap = self.records.capacity
-        flat = np.concatenate([self.records.cols[f"s{t}"] for t in range(self.ntiers)])
-        k = min(len(flat), max(4 * need, 1024))
-        idx = np.argpartition(flat, k - 1)[:k] if k < len(flat) else np.arange(len(flat))
-        idx = idx[np.argsort(flat[idx], kind="stable")]
-        idx = idx[flat[idx] != STAMP_NONE]
-        slots = idx % cap
-        self._cand_hashes = self.records.keys[slots]
-        self._cand_pods = self.records.tags[slots]
-        self._cand_tiers = idx // cap
-        self._cand_stamps = flat[idx]
-        self._cand_pos = 0
-
-    def _rebase_stamps(self) -> None:
-        """Keep stamps in 32 bits: stamps older than the last 2^31 stores become 0 (ties, the oldest)."""
-        self._select_none()  # candidates are compared by stamp
-        base = max(0, self.stamp - (1 << 31))
-        for t in range(self.ntiers):
-            col = self.records.cols[f"s{t}"]
-            live = col != STAMP_NONE
-            col[live] = np.maximum(col[live].astype(np.int64) - base, 0).astype(np.uint32)
-        self.stamp -= base
 
     # -- lookup ------------------------------------------------------------------------
     def masks(self, keys: U64, chunks: list[int], tiers: list[int]) -> npt.NDArray[np.uint32]:

@@ -73,13 +73,8 @@ import numpy.typing as npt
 
 from epp.kvindex import store_queue
 from epp.kvindex.events import KNOWN_TIERS
-from epp.kvindex.holdings import (
-    MAX_KEYS_PER_RECORD,
-    MAX_PODS,
-    MAX_TIERS,
-    Batch,
-    Holdings,
-)
+from epp.kvindex.eviction import MAX_KEYS_PER_RECORD
+from epp.kvindex.holdings import MAX_PODS, MAX_TIERS, Batch, Holdings
 from epp.kvindex.keys import state_of
 from epp.kvindex.packing import StoreTokens, as_u64, flat_tokens, pack_tokens
 from epp.kvindex.reads import IndexReads

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from epp.kvindex.holdings import MAX_KEYS_PER_RECORD, TIER_SHIFT, Holdings
+from epp.kvindex.eviction import MAX_KEYS_PER_RECORD
+from epp.kvindex.holdings import TIER_SHIFT, Holdings
 from epp.kvindex.packing import as_u64
 
 
