@@ -85,6 +85,36 @@ def chain_blocks(  # pragma: no cover - compiled
     return x
 
 
+@numba.njit(cache=True, nogil=True)
+def block_rows(  # pragma: no cover - compiled
+    n: Any,
+    pid: Any,
+    tid: Any,
+    stamp: int,
+    npend: Any,
+    nkeys: Any,
+    tags: Any,
+    tiers: Any,
+    stamps: Any,
+    info: Any,
+) -> None:
+    """Per engine block of the batch (events of n[e] blocks, in order): its pod as the records' tag, its
+    tier, its store stamp (`stamp` + the blocks of the events before it + the blocks after it in its event:
+    a chain's tail is the least recently stored) and its record `info` (npend | nkeys << 8, from
+    `chain_blocks`)."""
+    k = 0
+    base = np.int64(stamp)
+    for e in range(n.shape[0]):
+        ne = np.int64(n[e])
+        for j in range(ne):
+            tags[k] = pid[e]
+            tiers[k] = tid[e]
+            stamps[k] = base + ne - 1 - j
+            info[k] = npend[k] | (nkeys[k] << 8)
+            k += 1
+        base += ne
+
+
 def warm_up() -> None:
     """Compile (or load the cached machine code of) the loop now."""
     one = np.ones(1, dtype=np.intp)
@@ -94,4 +124,8 @@ def warm_up() -> None:
         one, one, one, zero, -one, u64, np.zeros(1, dtype=np.int64), 1, np.zeros(1, dtype=np.uint64),
         np.zeros(1, dtype=np.intp), np.zeros(1, dtype=np.intp), np.zeros(1, dtype=np.intp),
         np.zeros(2, dtype=np.uint64),
+    )  # fmt: skip
+    block_rows(
+        one, one, one, 0, one, one, np.zeros(1, dtype=np.uint16), np.zeros(1, dtype=np.intp),
+        np.zeros(1, dtype=np.uint32), np.zeros(1, dtype=np.uint32),
     )  # fmt: skip

@@ -127,11 +127,7 @@ class Holdings(Eviction):
 
     # -- add -----------------------------------------------------------------------------
     def add(self, b: Batch) -> None:
-        nev = len(b.n)
-        nblocks = int(b.n.sum())
-        ev = np.repeat(np.arange(nev), b.n)
-        bstart = np.cumsum(b.n) - b.n
-        j = np.arange(nblocks) - bstart[ev]
+        nblocks = len(b.hashes)
         state_end = np.empty(nblocks, dtype=np.uint64)
         nkeys = np.empty(nblocks, dtype=np.intp)
         npend = np.empty(nblocks, dtype=np.intp)
@@ -142,8 +138,14 @@ class Holdings(Eviction):
             state_end, nkeys, npend, nextra, extra,
         )  # fmt: skip
 
-        tags = b.pid[ev].astype(np.uint16)
-        info = (npend | (nkeys << 8)).astype(np.uint32)
+        if self.stamp + nblocks >= _STAMP_LIMIT:
+            self._rebase_stamps()
+        tags = np.empty(nblocks, dtype=np.uint16)
+        tiers = np.empty(nblocks, dtype=np.intp)
+        stamps = np.empty(nblocks, dtype=np.uint32)
+        info = np.empty(nblocks, dtype=np.uint32)
+        block_chain.block_rows(b.n, b.pid, b.tid, self.stamp, npend, nkeys, tags, tiers, stamps, info)
+        self.stamp += nblocks
         slots, new = self.records.upsert(b.hashes, tags, {"state": state_end, "info": info})
         if new.any():
             u = np.flatnonzero(new)
@@ -151,11 +153,6 @@ class Holdings(Eviction):
             if u.size:
                 self._add_extra(u, nextra, extra, b.hashes, tags)
 
-        if self.stamp + nblocks >= _STAMP_LIMIT:
-            self._rebase_stamps()
-        stamps = (self.stamp + bstart[ev] + (b.n[ev] - 1 - j)).astype(np.uint32)
-        self.stamp += nblocks
-        tiers = b.tid[ev]
         info_col = self.records.cols["info"]
         times: Index | None = None  # stores of each unit in the batch, when some has several
         if b.dups:  # a (pod, engine hash) queued twice: one unit per (record, tier), its latest stamp
