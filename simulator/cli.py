@@ -16,12 +16,15 @@ KV events and `/metrics` (a stand-in for vLLM; see `simulator/serving/`):
 
 Writes `summary.json` (each policy mapped to its figures, named with their units), per-request
 records and PNG plots under `--out`, prints the table, and shows a progress bar on a terminal.
+The policies run side by side in `--jobs` worker processes (default: one per core, at most one per
+policy; the figures are the same as one after the other).
 Bad input exits with status 2 and a message naming the file and line or the flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import subprocess
 import sys
@@ -36,7 +39,8 @@ from simulator.cluster import ClusterConfig
 from simulator.engine import EngineConfig
 from simulator.engine_replay import EngineReplayError, engine_replay
 from simulator.latency import DEFAULT_PROFILE, PROFILES
-from simulator.replay import replay, resolve
+from simulator.parallel import replay_parallel
+from simulator.replay import resolve
 from simulator.serving import command as serve_engine
 from simulator.traces import (
     TraceError,
@@ -93,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier per engine (0: none)")
     r.add_argument("--latency-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--jobs",
+        type=_positive(int),
+        default=None,
+        help="policies run side by side in this many processes (default: one per core)",
+    )
     e = sub.add_parser(
         "engine-replay", help="run requests one at a time on one simulated engine; report cached_tokens"
     )
@@ -105,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--events", help="also write the KV events (JSONL, vLLM's shapes, tagged with i)")
     serve_engine.add_parser(sub)
     return p
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _write(path: pathlib.Path, text: str, flag: str) -> None:
@@ -206,7 +221,8 @@ def run_replay(args: argparse.Namespace) -> int:
     )
     bar = tqdm(total=len(trace) * len(names), unit="req", disable=args.no_progress or None, file=sys.stderr)
     try:
-        result = replay(trace, names, cluster, progress=lambda _r: bar.update())
+        jobs = args.jobs or _cores()
+        result = replay_parallel(trace, names, cluster, jobs, bar.update)
     finally:
         bar.close()
     meta = {

@@ -36,26 +36,52 @@ def resolve(names: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(wanted))
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyRun:
+    """One policy's run of the trace: its records (by trace index), rejections, the cluster's pods and
+    its picks by mode."""
+
+    name: str
+    records: list[RequestRecord]
+    rejected: int
+    pods: list[str]
+    modes: dict[str, int]
+
+
+def run_policy(
+    trace: Sequence[TraceRequest],
+    name: str,
+    cluster: ClusterConfig,
+    progress: Callable[[RequestRecord], object] | None = None,
+) -> PolicyRun:
+    c = Cluster(policies.load(name), cluster, oracle=name == policies.ORACLE, on_done=progress)
+    recs = sorted(c.run(trace), key=lambda r: r.index)
+    return PolicyRun(name, recs, c.rejected, c.pods, dict(c.modes))
+
+
+def assemble(
+    runs: Sequence[PolicyRun], trace: Sequence[TraceRequest], cluster: ClusterConfig
+) -> ReplayResult:
+    """The result of policies' runs of one trace: their figures side by side, and the trace's bounds."""
+    summary: dict[str, dict[str, float]] = {}
+    for run in runs:
+        figures = summarize(run.records, run.pods)
+        figures["rejected"] = float(run.rejected)
+        picks = sum(run.modes.values())
+        for mode in ("cache-aware", "degraded", "load-only"):  # share of picks; 0 for cache-blind policies
+            figures[f"picks_{mode.replace('-', '_')}_rate"] = run.modes.get(mode, 0) / picks if picks else 0.0
+        summary[run.name] = figures
+    capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1 + cluster.engine.cpu_blocks)
+    bounds = cache_bounds((r.prompt for r in trace), cluster.engine.block_size, capacity)
+    records = {run.name: run.records for run in runs}
+    return ReplayResult(summary, records, bounds, {run.name: run.rejected for run in runs})
+
+
 def replay(
     trace: Sequence[TraceRequest],
     names: Sequence[str],
     cluster: ClusterConfig,
     progress: Callable[[RequestRecord], object] | None = None,
 ) -> ReplayResult:
-    summary: dict[str, dict[str, float]] = {}
-    records: dict[str, list[RequestRecord]] = {}
-    rejected: dict[str, int] = {}
-    for name in names:
-        c = Cluster(policies.load(name), cluster, oracle=name == policies.ORACLE, on_done=progress)
-        recs = sorted(c.run(trace), key=lambda r: r.index)
-        records[name] = recs
-        rejected[name] = c.rejected
-        figures = summarize(recs, c.pods)
-        figures["rejected"] = float(c.rejected)
-        picks = sum(c.modes.values())
-        for mode in ("cache-aware", "degraded", "load-only"):  # share of picks; 0 for cache-blind policies
-            figures[f"picks_{mode.replace('-', '_')}_rate"] = c.modes[mode] / picks if picks else 0.0
-        summary[name] = figures
-    capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1 + cluster.engine.cpu_blocks)
-    bounds = cache_bounds((r.prompt for r in trace), cluster.engine.block_size, capacity)
-    return ReplayResult(summary, records, bounds, rejected)
+    """Every policy in turn, in this process (`parallel.replay_parallel`: in worker processes)."""
+    return assemble([run_policy(trace, name, cluster, progress) for name in names], trace, cluster)
