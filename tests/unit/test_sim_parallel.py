@@ -56,7 +56,7 @@ def test_a_worker_that_dies_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
         os._exit(9)
 
     monkeypatch.setattr(parallel, "run_policy", die)
-    with pytest.raises(ValueError, match="a simulator worker process died.*fewer --jobs"):
+    with pytest.raises(ValueError, match=r"a simulator worker process died.*fewer --jobs"):
         parallel.replay_parallel(small_trace(), NAMES, SMALL, jobs=2)
 
 
