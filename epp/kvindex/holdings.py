@@ -33,7 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import block_chain, ownership, table_growth
+from epp.kvindex import block_chain, ownership
 from epp.kvindex.eviction import MAX_KEYS_PER_RECORD, STAMP_NONE, Eviction
 from epp.kvindex.keys import MASK64, fmix_array
 from epp.kvindex.probe import Index
@@ -192,11 +192,8 @@ class Holdings(Eviction):
         n = len(slots)
         keys = np.empty(n, dtype=np.uint64)
         copies, later, again = (np.empty(n, dtype=np.intp) for _ in range(3))
-        load = blocks.roomy_load if blocks.size + n < blocks.roomy_until else blocks.max_load
-        if blocks.size + n > load * blocks.capacity:  # room for a new row per unit (one grows once)
-            table_growth.grow(blocks, blocks.size + n)
-            load = blocks.roomy_load if blocks.size + n < blocks.roomy_until else blocks.max_load
-        room = int(load * blocks.capacity) - blocks.size
+        blocks.reserve(n)  # a new row per unit at most: the table grows once, before the loop
+        room = blocks.room()
         stamp_cols = tuple(rec.cols[f"s{t}"] for t in range(self.ntiers))
         ncopies, nlater, nagain, used, created, inserted = ownership.add_units(
             rec.cols["state"], rec.cols["info"], rec.tags, stamp_cols, self._masks(), blocks.keys,

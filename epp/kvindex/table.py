@@ -97,6 +97,20 @@ class HashTable:
             + sum(c.nbytes for c in self.cols.values())
         )
 
+    def room(self) -> int:
+        """Inserts left before the table reaches its load limit (see Growth)."""
+        load = self.roomy_load if self.size + 1 < self.roomy_until else self.max_load
+        return int(load * self.capacity) - self.size
+
+    def reserve(self, n: int) -> bool:
+        """Grow, if need be, so that `n` more items fit under the load limit; whether it grew (then items
+        moved)."""
+        after = self.size + n
+        if after <= (self.roomy_load if after < self.roomy_until else self.max_load) * self.capacity:
+            return False
+        table_growth.grow(self, after)
+        return True
+
     def add_column(self, name: str, dtype: type[np.generic], empty: int) -> None:
         self.specs[name] = (dtype, empty)
         self.cols[name] = filled(self.capacity, dtype, empty)
@@ -192,8 +206,7 @@ class HashTable:
         nstuck = 0
         i = 0
         while True:
-            load = self.roomy_load if self.size + 1 < self.roomy_until else self.max_load
-            room = int(load * self.capacity) - self.size
+            room = self.room()
             j, code, nstuck = cuckoo.upsert_run(
                 self.keys, self.tags, self.count, self.nb, keys, tags, i, room, slots, new, stuck, nstuck
             )
@@ -258,11 +271,8 @@ class HashTable:
         """Place `items` (indices into keys / tags / values). Returns the slot of each placed item (by
         index; valid unless items moved), the items placed (with `dedupe`, a later copy of an item is
         not placed) and whether other items moved."""
-        moved = False
-        after = self.size + len(items)
-        if after > (self.roomy_load if after < self.roomy_until else self.max_load) * self.capacity:
-            table_growth.grow(self, after)
-            moved = True
+        moved = self.reserve(len(items))
+        if moved:
             pairs = None
         b1, b2 = pairs if pairs is not None else self._pairs(keys[items], tags[items])
         pos = np.full(len(keys), -1, dtype=np.intp)
@@ -326,15 +336,14 @@ class HashTable:
         hold every column's empty value, so columns without values need no write."""
         self.keys[at] = keys
         self.tags[at] = tags
-        for name, col in self.cols.items():
-            v = values.get(name)
-            if v is not None:
-                col[at] = v[src]
-            elif not empty:
-                col[at] = self.specs[name][1]
+        self._write_columns(at, values, src)
+        if not empty:
+            for name, col in self.cols.items():
+                if name not in values:
+                    col[at] = self.specs[name][1]
 
     def _write_columns(self, at: Index, values: Mapping[str, Array], src: Index) -> None:
-        """`_write` to free slots whose keys and tags are written already."""
+        """The given columns of items at slots whose keys and tags are written (`_write`, or the loop)."""
         for name, v in values.items():
             self.cols[name][at] = v[src]
 
