@@ -15,7 +15,7 @@ show what staleness costs.
 from __future__ import annotations
 
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -122,10 +122,12 @@ class Cluster:
         self.modes: Counter[str] = Counter()  # picks by mode (cache-aware, degraded, load-only)
         self._pending = -1  # requests of the trace not yet finished or rejected (-1: not started)
         self._arrivals_left = -1
+        self._inbox: deque[tuple[tuple[float, int, int], str, int, bytes]] = deque()  # see _receive
         self._scrape()
 
     # -- the router's view -------------------------------------------------------------------------
     def _scrape(self) -> None:
+        self._receive()
         if self._arrivals_left == 0 and self._pending > 0 and all(e.idle for e in self.engines.values()):
             raise RuntimeError(f"{self._pending} requests were routed but no engine is working on them")
         for pod, engine in self.engines.items():
@@ -142,15 +144,25 @@ class Cluster:
                 if self.cfg.event_loss and self._rng.random() < self.cfg.event_loss:
                     return
                 if self.cfg.event_delay > 0:
-                    self.kernel.schedule(self.cfg.event_delay, lambda: self._deliver(pod, seq, payload))
+                    self._inbox.append((self.kernel.key(self.cfg.event_delay), pod, seq, payload))
                     return
-            self._deliver(pod, seq, payload)
+            self._deliver(pod, seq, payload, self.kernel.now())
 
         return publish
 
-    def _deliver(self, pod: str, seq: int, payload: bytes) -> None:
-        """As the server's subscriber does: received now; the lag is measured against the batch's ts."""
-        now = self.kernel.now()
+    def _receive(self) -> None:
+        """Deliver the KV-event messages due before the event running now, in the kernel's order. The router
+        reads what they change only when a request arrives and at scrapes, so they wait in `_inbox` (in
+        due order: the delay is one constant) until then instead of taking a kernel event each."""
+        inbox = self._inbox
+        if inbox:
+            current = self.kernel.current()
+            while inbox and inbox[0][0] < current:
+                key, pod, seq, payload = inbox.popleft()
+                self._deliver(pod, seq, payload, key[0])
+
+    def _deliver(self, pod: str, seq: int, payload: bytes, now: float) -> None:
+        """As the server's subscriber does: received at `now`; the lag is measured against the batch's ts."""
         self.ingest.on_live(pod, 0, seq, payload, now, self.model, now)
 
     # -- requests ----------------------------------------------------------------------------------
@@ -159,12 +171,16 @@ class Cluster:
         for r in trace:
             self.kernel.at(r.arrival, lambda r=r: self._arrive(r))  # type: ignore[misc]
         self.kernel.run()
+        while self._inbox:  # published after the last arrival and scrape: applied, as they would arrive
+            key, pod, seq, payload = self._inbox.popleft()
+            self._deliver(pod, seq, payload, key[0])
         return self.records
 
     def _done(self) -> bool:
         return self._pending == 0
 
     def _arrive(self, r: TraceRequest) -> None:
+        self._receive()
         self._arrivals_left -= 1
         now = self.kernel.now()
         if self.oracle:

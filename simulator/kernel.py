@@ -15,6 +15,9 @@ callback in that order. The rules:
   before `now()` raise `ValueError`.
 - `run(until=None)` runs events until the heap is empty, or, with `until`, every event whose
   time is `<= until`, then sets the clock to `until` (never backwards).
+- **keys**: `key(delay)` gives the `(time, priority, seq)` an event scheduled now would get, without
+  scheduling one, and `current()` the key of the event running now. A caller that keeps its own queue
+  of due work (the cluster's KV-event inbox) orders it exactly as the heap would have.
 
 The kernel implements `epp.clock.Clock` (`now()`), so the production core can run on it.
 """
@@ -52,7 +55,7 @@ class Handle:
 class Kernel:
     """Discrete-event kernel; `now()` makes it an `epp.clock.Clock`."""
 
-    __slots__ = ("_heap", "_now", "_running", "_seq", "events_run")
+    __slots__ = ("_current", "_heap", "_now", "_running", "_seq", "events_run")
 
     def __init__(self, start: float = 0.0) -> None:
         if not math.isfinite(start):
@@ -61,6 +64,7 @@ class Kernel:
         self._heap: list[tuple[float, int, int, Handle]] = []
         self._seq = 0
         self._running = False
+        self._current: tuple[float, int, int] = (self._now, 0, -1)
         self.events_run = 0
 
     def now(self) -> float:
@@ -76,6 +80,19 @@ class Kernel:
         handle = Handle(time, priority, seq, callback)
         heapq.heappush(self._heap, (time, priority, seq, handle))
         return handle
+
+    def key(self, delay: float, priority: int = 0) -> tuple[float, int, int]:
+        """The key `schedule(delay, ..., priority)` would give its event now (it takes a seq number, so
+        that events scheduled after it order after it); nothing is scheduled."""
+        if not delay >= 0.0:
+            raise ValueError(f"cannot schedule in the past: delay {delay} at time {self._now}")
+        seq = self._seq
+        self._seq = seq + 1
+        return (self._now + delay, priority, seq)
+
+    def current(self) -> tuple[float, int, int]:
+        """The `(time, priority, seq)` of the event running now (of the last one run, between events)."""
+        return self._current
 
     def at(self, time: float, callback: Callback, priority: int = 0) -> Handle:
         """Run `callback` at absolute `time` (>= now)."""
@@ -150,6 +167,7 @@ class Kernel:
                 continue
             handle.callback = None
             self._now = entry[0]
+            self._current = entry[:3]
             self.events_run += 1
             callback()
             return True

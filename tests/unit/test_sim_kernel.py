@@ -182,3 +182,29 @@ def test_order_is_time_then_priority_then_scheduling_order(events: list[tuple[in
         k.at(float(t), lambda i=i: ran.append(i), priority=prio)  # type: ignore[misc]
     k.run()
     assert ran == sorted(range(len(events)), key=lambda i: (events[i][0], events[i][1], i))
+
+
+def test_a_key_orders_as_the_event_it_stands_for_would_have() -> None:
+    """`key(delay)` is the (time, priority, seq) `schedule(delay)` would give: later than what is already
+    scheduled for that time, earlier than what is scheduled after it; `current()` is the running event's."""
+    k = Kernel()
+    seen: list[tuple[float, int, int]] = []
+    keys: dict[str, tuple[float, int, int]] = {}
+
+    def at_one() -> None:
+        keys["taken"] = k.key(1.0)  # would run at 2.0, after "before", before "after"
+        k.at(2.0, lambda: seen.append(k.current()))
+
+    k.at(2.0, lambda: seen.append(k.current()))  # "before"
+    k.at(1.0, at_one)
+    k.run()
+    before, after = seen
+    assert before < keys["taken"] < after
+    assert keys["taken"][0] == 2.0 == k.now()
+    assert k.current() == after  # the last one run, between events
+
+
+def test_a_key_in_the_past_is_an_error() -> None:
+    k = Kernel()
+    with pytest.raises(ValueError, match="past"):
+        k.key(-1.0)

@@ -167,3 +167,32 @@ def test_multi_turn_answers_are_what_the_next_turn_resends_so_they_hit_the_cache
     # turn 2 resends turn 1's prompt and answer: all of it but the last (partial) block is cached
     for rec, req in zip(later, [r for r in trace if r.session == "session-0"][1:], strict=True):
         assert rec.cached_tokens >= len(req.prompt) - 32 - 16
+
+
+def test_the_router_sees_kv_events_exactly_event_delay_after_they_are_published() -> None:
+    """What the router's index holds when a second request arrives just before / exactly at / just after
+    the first request's events reach it (its first token plus `event_delay`): nothing, nothing (the
+    arrival, scheduled first, runs first, as in the kernel's order), then the prompt's blocks."""
+    import numpy as np
+
+    from simulator.traces import TraceRequest
+
+    prompt = np.arange(1, 1 + 64 * 16, dtype=np.int32)
+    cfg = ClusterConfig(pods=2, engine=EngineConfig(num_gpu_blocks=1024), seed=1, event_delay=0.004)
+    first = Cluster(policies.load("ttft"), cfg).run([TraceRequest(0.0, prompt, 500)])
+    published = first[0].first_token_s  # the prefill's step ends: its BlockStored goes out then
+    known = {}
+    for name, arrival in (("before", published + 0.004 - 1e-6), ("at", published + 0.004),
+                          ("after", published + 0.004 + 1e-6)):  # fmt: skip
+        c = Cluster(policies.load("ttft"), cfg)
+        schedule = c.scheduler.schedule
+
+        def seen(request, candidates, c=c, schedule=schedule, name=name):  # type: ignore[no-untyped-def]
+            if request.request_id == "1":
+                known[name] = sum(c.index.pod_counts(p).get("gpu", 0) for p in c.pods)
+            return schedule(request, candidates)
+
+        c.scheduler.schedule = seen  # type: ignore[method-assign]
+        recs = {r.index: r for r in c.run([TraceRequest(0.0, prompt, 500), TraceRequest(arrival, prompt, 5, index=1)])}
+        assert recs[0].first_token_s == published
+    assert known == {"before": 0, "at": 0, "after": 64}
