@@ -193,6 +193,7 @@ def test_the_router_sees_kv_events_exactly_event_delay_after_they_are_published(
             return schedule(request, candidates)
 
         c.scheduler.schedule = seen  # type: ignore[method-assign]
-        recs = {r.index: r for r in c.run([TraceRequest(0.0, prompt, 500), TraceRequest(arrival, prompt, 5, index=1)])}
+        trace = [TraceRequest(0.0, prompt, 500), TraceRequest(arrival, prompt, 5, index=1)]
+        recs = {r.index: r for r in c.run(trace)}
         assert recs[0].first_token_s == published
     assert known == {"before": 0, "at": 0, "after": 64}
