@@ -86,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--rate-scale", type=_positive(float), default=1.0, help="speed the trace up (>1) or down")
     r.add_argument("--pods", type=_positive(int), default=16)
-    r.add_argument("--policies", default="all", help="comma-separated policy names, or all")
+    r.add_argument(
+        "--policies",
+        default="all",
+        help="comma-separated policy names or EPP config files (PATH.yaml, NAME=PATH.yaml), or all",
+    )
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--out", default="results", help="directory for summary.json, records and plots")
     r.add_argument("--scrape-interval", type=_positive(float), default=0.05, help="seconds")

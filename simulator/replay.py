@@ -24,16 +24,26 @@ class ReplayResult:
 
 
 def resolve(names: str | Sequence[str]) -> list[str]:
-    """`all`, or comma-separated policy names; ValueError naming the unknown ones."""
+    """`all`, or comma-separated policies: shipped names, or EPP config files (`PATH.yaml`,
+    `NAME=PATH.yaml`, read and checked now). ValueError naming the unknown ones, a file that cannot be
+    read or parsed, or two policies going by one name."""
     known = policies.names()
     given = names.split(",") if isinstance(names, str) else list(names)
     wanted = known if names == "all" else [n.strip() for n in given if n.strip()]
-    unknown = [n for n in wanted if n not in known]
+    unknown = [n for n in wanted if n not in known and not policies.is_file(n)]
     if unknown or not wanted:
         raise ValueError(
-            f"unknown policy {', '.join(unknown) or '(none)'}; known: {', '.join(known)}, or all"
+            f"unknown policy {', '.join(unknown) or '(none)'}; known: {', '.join(known)}, all, "
+            "or an EPP config file (PATH.yaml or NAME=PATH.yaml)"
         )
-    return list(dict.fromkeys(wanted))
+    wanted = list(dict.fromkeys(wanted))
+    seen: dict[str, str] = {}
+    for spec in wanted:
+        name = policies.check_file(spec) if policies.is_file(spec) else spec
+        if name in seen:
+            raise ValueError(f"policies {seen[name]!r} and {spec!r} both go by {name!r}; name one NAME=PATH")
+        seen[name] = spec
+    return wanted
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +64,10 @@ def run_policy(
     cluster: ClusterConfig,
     progress: Callable[[RequestRecord], object] | None = None,
 ) -> PolicyRun:
+    """One policy (a shipped name or a config file, see `resolve`); its run goes by `policies.label`."""
     c = Cluster(policies.load(name), cluster, oracle=name == policies.ORACLE, on_done=progress)
     recs = sorted(c.run(trace), key=lambda r: r.index)
-    return PolicyRun(name, recs, c.rejected, c.pods, dict(c.modes))
+    return PolicyRun(policies.label(name), recs, c.rejected, c.pods, dict(c.modes))
 
 
 def assemble(

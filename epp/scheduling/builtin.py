@@ -15,6 +15,7 @@ from epp.scheduling.plugins import (
     running_requests_scorer,
     sglang_cache_aware_scorer,
     single_profile_handler,
+    softmax_picker,
     staleness_filter,
     token_load_scorer,
     ttft_scorer,
@@ -35,6 +36,7 @@ BUILTIN_SPECS: tuple[PluginSpec, ...] = (
     max_score_picker.SPEC,
     random_picker.SPEC,
     round_robin_picker.SPEC,
+    softmax_picker.SPEC,
     staleness_filter.SPEC,
     single_profile_handler.SPEC,
 )

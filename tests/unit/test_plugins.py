@@ -111,6 +111,30 @@ def test_random_picker_ignores_scores_and_respects_max() -> None:
     assert seen == {"a:1", "b:1", "c:1", "d:1"}
 
 
+def test_softmax_picker_samples_as_exp_score_over_temperature() -> None:
+    """Dynamo's sampling: frequencies follow exp(score / T); fallbacks are distinct; the seed repeats
+    the draws; temperature 0 is the argmax."""
+    import math
+
+    cands = scored(("a:1", 1.0), ("b:1", 0.5), ("c:1", 0.0))
+    picker = make("softmax-picker", {"temperature": 0.5})
+    st = state(seed=3)
+    n = 6000
+    picks = Counter(picker.pick(st, chat_request(), cands)[0] for _ in range(n))  # type: ignore[attr-defined]
+    w = [math.exp(x / 0.5) for x in (1.0, 0.5, 0.0)]
+    for pod, wi in zip(("a:1", "b:1", "c:1"), w, strict=True):
+        expected = n * wi / sum(w)  # a:1 ~66%, b:1 ~24%, c:1 ~9%
+        assert abs(picks[pod] - expected) < 5 * math.sqrt(expected), (pod, picks[pod], expected)
+    st2 = state(seed=3)
+    assert Counter(picker.pick(st2, chat_request(), cands)[0] for _ in range(n)) == picks  # type: ignore[attr-defined]
+    two = make("softmax-picker", {"temperature": 0.5, "maxNumOfEndpoints": 2})
+    for _ in range(50):
+        got = two.pick(st, chat_request(), cands)  # type: ignore[attr-defined]
+        assert len(got) == 2 and len(set(got)) == 2
+    cold = make("softmax-picker")
+    assert {cold.pick(st, chat_request(), cands)[0] for _ in range(50)} == {"a:1"}  # type: ignore[attr-defined]
+
+
 def test_round_robin_cycles_and_skips_missing_endpoints() -> None:
     picker = make("round-robin-picker")
     cands = scored(("b:1", 0), ("a:1", 0), ("c:1", 0))
@@ -130,6 +154,11 @@ def test_round_robin_cycles_and_skips_missing_endpoints() -> None:
         ("metrics-staleness-filter", {"maxAge": "soon"}, "maxAge"),
         ("token-load-scorer", {"queueThresholdTokens": -5}, "queueThresholdTokens"),
         ("queue-scorer", {"anything": True}, "anything"),
+        ("precise-prefix-cache-scorer", {"speculativeTtl": "soon"}, "speculativeTtl"),
+        ("softmax-picker", {"temperature": -0.1}, "temperature"),
+        ("softmax-picker", {"temperature": float("inf")}, "temperature"),
+        ("softmax-picker", {"temperature": 1.0, "maxNumOfEndpoints": 0}, "maxNumOfEndpoints"),
+        ("precise-prefix-cache-scorer", {"speculativeTtl": -2}, "speculativeTtl"),
     ],
 )
 def test_bad_parameters_name_the_field(type_name: str, params: dict[str, object], field: str) -> None:
@@ -211,3 +240,35 @@ def test_precise_prefix_scorer_gives_stale_pods_nothing_and_text_without_tokeniz
     text = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt="no tokenizer for m")
     assert scorer.score(state(), text, [endpoint("a:1")]) == [0.0]  # type: ignore[attr-defined]
     assert svc.unkeyed[("m", "no_tokenizer")] == 1  # type: ignore[attr-defined]
+
+
+def test_speculative_indexing_credits_the_pod_a_prompt_was_routed_to_until_the_ttl() -> None:
+    """With `speculativeTtl`, a routed prompt's blocks count for the chosen pod (at the gpu weight) before
+    any event confirms them, and for `speculativeTtl` only; a longer reported prefix still wins; stale
+    pods get nothing; without the setting, routing leaves no trace."""
+    from epp.scheduling.framework import CycleState
+    from epp.types import ApiKind, InferenceRequest
+
+    prompt = list(range(8 * 16))
+    req = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt=prompt)
+    half = InferenceRequest("h", ApiKind.COMPLETIONS, "m", prompt=prompt[: 4 * 16] + [9999] * 64)
+    eps = [endpoint("a:1"), endpoint("b:1")]
+    scorer, svc = _kv_scorer({"speculativeTtl": "2s"})
+    plain, plain_svc = _kv_scorer()
+    for s in (svc, plain_svc):
+        for pod in ("a:1", "b:1"):
+            s.freshness.message(pod, NOW)  # type: ignore[attr-defined]
+    assert scorer.score(CycleState(NOW, random.Random(0)), req, eps) == [0.0, 0.0]  # type: ignore[attr-defined]
+    scorer.picked(CycleState(NOW, random.Random(0)), req, "b:1")  # type: ignore[attr-defined]
+    plain.picked(CycleState(NOW, random.Random(0)), req, "b:1")  # type: ignore[attr-defined]
+    assert scorer.score(CycleState(NOW + 1.9, random.Random(0)), req, eps) == [0.0, 1.0]  # type: ignore[attr-defined]
+    assert scorer.score(CycleState(NOW + 1.9, random.Random(0)), half, eps) == [0.0, 0.5]  # type: ignore[attr-defined]
+    assert plain.score(CycleState(NOW + 1.9, random.Random(0)), req, eps) == [0.0, 0.0]  # type: ignore[attr-defined]
+    assert scorer.score(CycleState(NOW + 2.0, random.Random(0)), req, eps) == [0.0, 0.0]  # type: ignore[attr-defined]
+    # reported blocks beat a shorter speculative prefix; a stale pod gets neither
+    scorer.picked(CycleState(NOW + 3, random.Random(0)), half, "a:1")  # type: ignore[attr-defined]
+    _hold(svc, "a:1", prompt, "cpu", 1)
+    assert scorer.score(CycleState(NOW + 3, random.Random(0)), req, eps) == pytest.approx([0.8, 0.0])  # type: ignore[attr-defined]
+    svc.freshness.disconnected("a:1", NOW + 3)  # type: ignore[attr-defined]
+    assert scorer.score(CycleState(NOW + 3, random.Random(0)), half, eps) == [0.0, 0.0]  # type: ignore[attr-defined]
+    assert len(svc.index.pods()) == 1  # type: ignore[attr-defined]  # the exact index holds only what was reported

@@ -121,6 +121,49 @@ def test_bad_cli_input_is_a_clear_error(
     assert fragment in capsys.readouterr().err
 
 
+def test_an_epp_config_file_is_a_policy_under_its_name(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--policies` takes EPP config files: named after the file or NAME=PATH; a copy of a shipped
+    policy's config gives that policy's figures, under its own name, in summary.json and records."""
+    mine = tmp_path / "my-ttft.yaml"
+    mine.write_text(policies.config_text("ttft"))
+    soft = tmp_path / "dyn.yml"
+    soft.write_text(policies.config_text("dynamo-kv").replace("max-score-picker", "softmax-picker"))
+    out = tmp_path / "out"
+    spec = f"ttft,{mine},hot={soft}"
+    assert main(["replay", "--no-progress", "--requests", "40", "--pods", "3", "--jobs", "1",
+                 "--policies", spec, "--out", str(out)]) == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["policies"]) == ["ttft", "my-ttft", "hot"]
+    assert summary["policies"]["my-ttft"] == summary["policies"]["ttft"]
+    assert (out / "records-my-ttft.jsonl").read_text() == (out / "records-ttft.jsonl").read_text()
+    assert summary["meta"]["policies"] == spec.split(",")
+    assert "my-ttft" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("policy", "fragment"),
+    [
+        ("{tmp}/missing.yaml", "policy file"),
+        ("{tmp}/bad.yaml", "bad.yaml"),
+        ("ttft={tmp}/ok.yaml", "is a shipped policy's"),
+        ("{tmp}/ok.yaml,ok={tmp}/ok.yaml", "both go by 'ok'"),
+        ("a/b={tmp}/ok.yaml", "must be letters"),
+    ],
+)
+def test_a_bad_policy_file_is_a_clear_error(
+    tmp_path: pathlib.Path, policy: str, fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "ok.yaml").write_text(policies.config_text("random"))
+    (tmp_path / "bad.yaml").write_text("plugins: [{type: no-such-plugin}]\n")
+    out = tmp_path / "out"
+    args = ["replay", "--no-progress", "--requests", "10", "--policies", policy.format(tmp=tmp_path)]
+    assert main([*args, "--out", str(out)]) == 2
+    assert fragment in capsys.readouterr().err
+    assert not (out / "summary.json").exists()  # refused before anything ran
+
+
 def test_a_bad_trace_line_is_named(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "t.jsonl"
     bad.write_text(

@@ -4,6 +4,12 @@ Score = the longest consecutive run of the prompt's blocks from block 0 that the
 each block weighted by the best tier it sits on there (default gpu 1.0, cpu 0.8, storage
 0.5, unknown tiers 0), divided by the prompt's block count. Pods whose index is stale get 0.
 Without keys for the prompt (no tokenizer for a text prompt's model) every pod scores 0.
+
+`speculativeTtl` (off unless set, e.g. `2s` as llm-d does): when a request is routed, its blocks are
+recorded for the chosen pod for that long (`kvindex/speculative.py`, kept apart from the exact
+index), so that requests right behind it see them before the engine's KV events confirm them. A
+pod then scores the better of its reported prefix (weighted as above) and its speculative one
+(each block at the gpu weight).
 """
 
 from __future__ import annotations
@@ -12,12 +18,14 @@ from collections.abc import Sequence
 
 import msgspec
 
+from epp.durations import parse_duration
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
+from epp.kvindex.speculative import SpeculativeBlocks
 from epp.scheduling.framework import CycleState, PluginHandle
 from epp.scheduling.plugins.cache_mode import creditable, load_only
 from epp.scheduling.plugins.prompt_keys import prompt_keys
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
-from epp.types import Endpoint, InferenceRequest
+from epp.types import Endpoint, EndpointId, InferenceRequest
 
 DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.5}
 
@@ -25,14 +33,23 @@ DEFAULT_TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.5}
 class PrecisePrefixParams(Params):
     tier_weights: dict[str, float] = msgspec.field(default_factory=dict)  # merged over DEFAULT_TIER_WEIGHTS
     unknown_tier_weight: float = 0.0
+    speculative_ttl: str | float = 0.0  # 0: no speculative entries
 
 
 class PrecisePrefixCacheScorer:
-    def __init__(self, name: str, service: KvIndexService, weights: dict[str, float], unknown: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        service: KvIndexService,
+        weights: dict[str, float],
+        unknown: float,
+        speculative: SpeculativeBlocks | None = None,
+    ) -> None:
         self._name = name
         self.service = service
         self.weights = weights
         self.unknown = unknown
+        self.speculative = speculative
 
     @property
     def name(self) -> str:
@@ -50,7 +67,20 @@ class PrecisePrefixCacheScorer:
         if not pods or n == 0:
             return [0.0] * len(endpoints)
         held = self.service.index.lookup_weighted(keys, pods, self.weights, self.unknown)
+        if self.speculative is not None:
+            gpu = self.weights.get("gpu", self.unknown)
+            for pod, blocks in self.speculative.prefix(keys, pods, state.now).items():
+                if blocks * gpu > held.get(pod, 0.0):
+                    held[pod] = blocks * gpu
         return [held.get(e.id, 0.0) / n for e in endpoints]
+
+    def picked(self, state: CycleState, request: InferenceRequest, endpoint: EndpointId) -> None:
+        """With `speculativeTtl`: the routed prompt's blocks are the chosen pod's, for that long."""
+        if self.speculative is None:
+            return
+        keys = prompt_keys(state, request, self.service)
+        if keys is not None and len(keys):
+            self.speculative.add(endpoint, keys, state.now)
 
 
 def _build(name: str, params: PrecisePrefixParams, handle: PluginHandle) -> PrecisePrefixCacheScorer:
@@ -59,11 +89,16 @@ def _build(name: str, params: PrecisePrefixParams, handle: PluginHandle) -> Prec
             raise PluginParamsError(f"tierWeights.{tier}", f"tier weight must be in [0, 1], got {w}")
     if not 0.0 <= params.unknown_tier_weight <= 1.0:
         raise PluginParamsError("unknownTierWeight", "must be in [0, 1]")
+    try:
+        ttl = parse_duration(params.speculative_ttl)
+    except ValueError as err:
+        raise PluginParamsError("speculativeTtl", str(err)) from None
     service = handle.services.get(SERVICE_KEY)
     if not isinstance(service, KvIndexService):
         raise PluginParamsError("type", "needs the KV index (this EPP was built without one)")
     weights = DEFAULT_TIER_WEIGHTS | {k.lower(): float(v) for k, v in params.tier_weights.items()}
-    return PrecisePrefixCacheScorer(name, service, weights, params.unknown_tier_weight)
+    speculative = SpeculativeBlocks(ttl) if ttl > 0 else None
+    return PrecisePrefixCacheScorer(name, service, weights, params.unknown_tier_weight, speculative)
 
 
 SPEC = PluginSpec(
