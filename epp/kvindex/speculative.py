@@ -12,19 +12,23 @@ expiry at least as late (a later `add` of the same key refreshes it, and time on
 The consecutive prefix of a prompt a pod holds is therefore found by a binary search over the
 prompt's keys: O(log n) probes per pod, not a walk.
 
-Memory: each entry lives `ttl` seconds; expired `add`s are dropped, oldest first, whenever entries
-are added, and at most `max_entries` (key, pod) entries are kept (the oldest `add`s go first).
+Memory, in two generations: entries are added to the current one; once `ttl` has passed since the
+last turn, the current generation becomes the previous one and the previous one is dropped whole
+(everything in it expired: it was added at least `ttl` before). So entries live between `ttl` and
+`3 x ttl`, no per-key work is ever spent on expiry, and a lookup reads the current generation, then
+the previous one. At most `max_entries` (key, pod) entries are kept: an `add` that would pass it
+turns the generations first, then drops the previous one (the oldest entries go early).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 Keys = npt.NDArray[np.uint64] | Sequence[int]
+Generation = dict[str, dict[int, float]]  # pod -> key -> expiry
 
 
 class SpeculativeBlocks:
@@ -35,32 +39,33 @@ class SpeculativeBlocks:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.ttl = ttl
         self.max_entries = max_entries
-        self._pods: dict[str, dict[int, float]] = {}  # pod -> key -> expiry
-        self._adds: deque[tuple[float, str, list[int]]] = deque()  # in expiry order (one TTL)
-        self._entries = 0  # sum of the pods' dict sizes
+        self._cur: Generation = {}
+        self._prev: Generation = {}
+        self._turned = float("-inf")  # when the current generation began
+        self._sizes = [0, 0]  # entries in the current and the previous generation
 
     def size(self) -> int:
         """(key, pod) entries kept, expired ones not yet dropped included."""
-        return self._entries
+        return self._sizes[0] + self._sizes[1]
 
     def add(self, pod: str, keys: Keys, now: float) -> None:
         """`pod` will hold the blocks `keys` (a prompt's chained keys, from block 0), until now + ttl."""
-        self._drop(now)
+        self._age(now)
         if len(keys) == 0:
             return
         ks = keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]
         if len(ks) > self.max_entries:
             ks = ks[: self.max_entries]  # a prefix stays prefix-closed
-        expires = now + self.ttl
-        held = self._pods.get(pod)
+        if self.size() + len(ks) > self.max_entries:
+            self._turn(now)
+            if self.size() + len(ks) > self.max_entries:
+                self._prev, self._sizes[1] = {}, 0
+        held = self._cur.get(pod)
         if held is None:
-            held = self._pods[pod] = {}
+            held = self._cur[pod] = {}
         before = len(held)
-        held.update(dict.fromkeys(ks, expires))
-        self._entries += len(held) - before
-        self._adds.append((expires, pod, ks))
-        while self._entries > self.max_entries and len(self._adds) > 1:
-            self._forget(*self._adds.popleft())
+        held.update(dict.fromkeys(ks, now + self.ttl))
+        self._sizes[0] += len(held) - before
 
     def prefix(self, keys: Keys, pods: Sequence[str], now: float) -> dict[str, int]:
         """For each of `pods` with entries: how many leading blocks of `keys` it holds speculatively and
@@ -71,38 +76,44 @@ class SpeculativeBlocks:
             return out
         ks: list[int] | None = None
         for pod in pods:
-            held = self._pods.get(pod)
-            if not held:
+            cur = self._cur.get(pod)
+            prev = self._prev.get(pod)
+            if not cur and not prev:
                 continue
             if ks is None:
                 ks = keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]
-            lo, hi = 0, n  # invariant: keys[:lo] held, keys[hi:] not
+            if not _held(cur, prev, ks[0], now):
+                continue  # the common cases first: nothing, or everything
+            if _held(cur, prev, ks[-1], now):
+                out[pod] = n
+                continue
+            lo, hi = 1, n - 1  # invariant: keys[:lo] held, keys[hi:] not
             while lo < hi:
                 mid = (lo + hi) // 2
-                expires = held.get(ks[mid])
-                if expires is not None and expires > now:
+                if _held(cur, prev, ks[mid], now):
                     lo = mid + 1
                 else:
                     hi = mid
-            if lo:
-                out[pod] = lo
+            out[pod] = lo
         return out
 
-    def _drop(self, now: float) -> None:
-        adds = self._adds
-        while adds and adds[0][0] <= now:
-            self._forget(*adds.popleft())
+    def _age(self, now: float) -> None:
+        if now - self._turned >= self.ttl:
+            self._turn(now)
 
-    def _forget(self, expires: float, pod: str, keys: list[int]) -> None:
-        """An `add` leaves: its keys go unless a later `add` refreshed them."""
-        held = self._pods.get(pod)
-        if held is None:
-            return
-        before = len(held)
-        get = held.get
-        for k in keys:
-            if get(k) == expires:
-                del held[k]
-        self._entries -= before - len(held)
-        if not held:
-            del self._pods[pod]
+    def _turn(self, now: float) -> None:
+        """The current generation becomes the previous one (dropped whole too if it is all expired)."""
+        if now - self._turned >= 2 * self.ttl:
+            self._prev, self._sizes[1] = {}, 0
+        else:
+            self._prev, self._sizes[1] = self._cur, self._sizes[0]
+        self._cur, self._sizes[0] = {}, 0
+        self._turned = now
+
+
+def _held(cur: dict[int, float] | None, prev: dict[int, float] | None, key: int, now: float) -> bool:
+    """Whether `key` is held unexpired: the current generation's entry is the latest when it has one."""
+    expires = cur.get(key) if cur else None
+    if expires is None and prev:
+        expires = prev.get(key)
+    return expires is not None and expires > now

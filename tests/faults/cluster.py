@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from epp.config import EppConfig, KvEventsConfig, StaticEndpoint, default_config
+from epp.config import DEFAULT_CONFIG_YAML, EppConfig, KvEventsConfig, StaticEndpoint, parse_config
 from epp.kvindex.freshness import Freshness
 from epp.kvindex.keys import block_keys, root_key
 from epp.server.app import EppServer, ServerSettings
@@ -140,14 +140,19 @@ async def kv_pool(
 
     The fake engines serve requests without publishing KV events for them, which a real engine's
     growing prefix-cache misses would make the EPP call `silent` (stale) after 10 s; that rule is off
-    here (`silence`), so that a slow run of a test about another fault is not mistaken for it."""
+    here (`silence`), so that a slow run of a test about another fault is not mistaken for it. For the
+    same reason the default config here has no speculative entries (`speculativeTtl: 0`): they would
+    credit the pods that served a prompt with holding it, which these engines never report."""
     http, events = free_port(), free_port()
     replay_port = free_port() if replay else None
     backends = [
         FakeModelServer(f"pod-{i}", host=h, port=http, model=MODEL, **(backend_kwargs or {}))
         for i, h in enumerate(HOSTS[:n])
     ]
-    cfg = config or default_config()
+    no_speculation = "- type: ttft-scorer\n  parameters: {speculativeTtl: 0}\n"
+    cfg = config or parse_config(
+        DEFAULT_CONFIG_YAML.replace("- type: ttft-scorer\n", no_speculation), "<faults default>"
+    )
     kv_settings = KvEventsConfig(mode="per-pod", port=events, replay_port=replay_port, replay_timeout=1.0)
     cfg = replace(cfg, kv_events=replace(kv_settings, sync_interval=0.05, **(kv or {})))
     base = settings or ServerSettings()

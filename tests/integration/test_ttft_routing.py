@@ -235,9 +235,9 @@ async def test_sheddable_requests_get_429_with_retry_after_when_no_pod_can_meet_
 
 
 SECRET = "a-server-side-secret-of-enough-bytes"
-TENANCY = (
-    HEAD
-    + PROFILE
+TENANCY = (  # no speculative entries: the first request's would credit the pod that served it, which
+    HEAD  # these fake engines never report holding (the test is about the salt, not about bursts)
+    + PROFILE.replace("- type: ttft-scorer\n", "- type: ttft-scorer\n  parameters: {speculativeTtl: 0}\n")
     + """\
 tenancy: {header: x-tenant-id, secretEnv: EPP_TEST_TENANT_SECRET, missing: reject}
 """

@@ -34,28 +34,34 @@ def test_a_routed_prompt_counts_for_its_pod_until_the_ttl() -> None:
     assert s.prefix([], ["a"], now=1.5) == {}
 
 
-def test_a_later_add_refreshes_the_blocks_it_shares() -> None:
+def test_a_later_add_refreshes_the_blocks_it_shares_and_expired_entries_go_in_bulk() -> None:
     s = SpeculativeBlocks(2.0)
     s.add("a", chain(10, 10), now=0.0)
     s.add("a", chain(4, 8), now=1.5)  # shares the first 4 blocks, refreshed until 3.5
     assert s.prefix(chain(10, 10), ["a"], now=2.5) == {"a": 4}
-    s.add("b", chain(0, 1), now=2.5)  # adding drops what expired; the refreshed blocks stay
+    s.add("b", chain(0, 1), now=2.5)  # a new generation: a's entries are now the previous one
     assert s.prefix(chain(10, 10), ["a"], now=2.5) == {"a": 4}
-    assert s.size() == 8 + 1
-    s.add("b", chain(0, 1), now=4.0)
-    assert s.size() == 1 and s.prefix(chain(4, 8), ["a"], now=4.0) == {}
+    assert s.prefix(chain(4, 8), ["a"], now=3.4) == {"a": 8}
+    assert s.size() == 14 + 1
+    s.add("b", chain(0, 1), now=4.5)  # another: a's generation (all expired by 3.5) is dropped whole
+    assert s.size() == 1 + 1 and s.prefix(chain(4, 8), ["a"], now=4.5) == {}
+    s.add("c", chain(0, 3), now=20.0)  # long after: both generations expired, both dropped
+    assert s.size() == 3 and s.prefix(chain(0, 1), ["b"], now=20.0) == {}
 
 
-def test_entries_are_bounded_oldest_add_first() -> None:
+def test_entries_are_bounded_oldest_first() -> None:
     s = SpeculativeBlocks(10.0, max_entries=25)
     s.add("a", chain(0, 10), now=0.0)
     s.add("b", chain(0, 11), now=0.1)
-    s.add("c", chain(0, 12), now=0.2)  # 33 > 25: "a"'s add goes
-    assert s.size() == 23
+    assert s.size() == 21
+    s.add("c", chain(0, 12), now=0.2)  # 33 > 25: the generation holding a and b goes early
+    assert s.size() == 12
     assert s.prefix(chain(0, 10), ["a"], now=0.3) == {}
     assert s.prefix(chain(0, 12), ["c"], now=0.3) == {"c": 12}
-    s.add("d", chain(0, 40), now=0.4)  # longer than the bound on its own: its first 25 blocks
-    assert s.size() == 25 and s.prefix(chain(0, 40), ["d"], now=0.5) == {"d": 25}
+    s.add("d", chain(0, 13), now=0.4)  # 25: fits
+    assert s.size() == 25 and s.prefix(chain(0, 12), ["c"], now=0.4) == {"c": 12}
+    s.add("e", chain(0, 40), now=0.5)  # longer than the bound on its own: its first 25 blocks
+    assert s.size() == 25 and s.prefix(chain(0, 40), ["e"], now=0.5) == {"e": 25}
 
 
 @pytest.mark.parametrize(("ttl", "cap"), [(0.0, 10), (-1.0, 10), (1.0, 0)])

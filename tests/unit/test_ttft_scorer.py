@@ -290,6 +290,42 @@ def test_without_a_band_the_burst_herds_onto_the_fastest() -> None:
     assert set(_burst(_ZERO_BAND_YAML, seed=7)) == {"a:1"}
 
 
+@pytest.mark.parametrize("ttl", ["2s", "0"])
+def test_a_request_right_behind_one_with_its_prompt_is_estimated_hitting_where_that_one_went(
+    ttl: str,
+) -> None:
+    """Speculative entries (default 2 s): before any KV event, the prompt just routed counts as the chosen
+    pod's GPU prefix for the next request (and nowhere else), until the TTL; `speculativeTtl: 0` never."""
+    svc = kv_service()
+    fresh(svc, "a:1", "b:1")
+    clock = FakeClock(NOW)
+    yaml_text = DEFAULT_CONFIG_YAML.replace(
+        "- type: ttft-scorer\n", f"- type: ttft-scorer\n  parameters: {{speculativeTtl: {ttl}}}\n"
+    )
+    assert "speculativeTtl" in yaml_text
+    cfg = parse_config(yaml_text, "test.yaml")
+    s = build_scheduler(cfg, default_registry(), clock, random.Random(0), services={KV_KEY: svc})
+    prompt = list(range(4096))
+
+    def eps() -> list[Endpoint]:  # scraped just now
+        return [endpoint("a:1", observed_at=clock.now()), endpoint("b:1", observed_at=clock.now())]
+
+    first = s.schedule(token_request(prompt), eps()).decision
+    assert {first.estimates[p].cached_tokens for p in ("a:1", "b:1")} == {0}
+    clock.advance(1.9)
+    second = s.schedule(token_request(prompt), eps()).decision
+    other = "b:1" if first.primary == "a:1" else "a:1"
+    held = 4096 - 16 if ttl == "2s" else 0  # (the last block is always recomputed)
+    assert second.estimates[first.primary].cached_tokens == held
+    assert second.estimates[other].cached_tokens == 0
+    if held:
+        assert second.primary == first.primary
+    clock.advance(2.1)  # both entries expired (the second request's too)
+    third = s.schedule(token_request(prompt), eps()).decision
+    assert {third.estimates[p].cached_tokens for p in ("a:1", "b:1")} == {0}
+    assert svc.index.pods() == []  # the exact index holds only what engines reported
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [
@@ -297,6 +333,8 @@ def test_without_a_band_the_burst_herds_onto_the_fastest() -> None:
         ({"tieBand": -0.1}, "tieBand"),
         ({"tieBandSeconds": -1}, "tieBandSeconds"),
         ({"tieBandSeconds": 11}, "tieBandSeconds"),
+        ({"speculativeTtl": "later"}, "speculativeTtl"),
+        ({"speculativeTtl": -1}, "speculativeTtl"),
     ],
 )
 def test_bad_band_parameters_name_the_field(params: dict[str, object], field: str) -> None:
@@ -327,8 +365,9 @@ def test_default_profile_a_gpu_hit_behind_a_three_second_queue_loses_to_an_idle_
     assert d.estimates["a:1"].cached_tokens == n - 16  # the last block is recomputed (block 16)
     assert d.estimates["a:1"].queue_s >= 3.0
     assert d.estimates["b:1"].ttft_s == pytest.approx(P.prefill_s(n, 0))
-    # without the queue the hit wins
-    d = s.schedule(token_request(prompt), [endpoint("a:1"), endpoint("b:1")]).decision
+    # without the queue the hit wins (a new scheduler: this one counts the prompt just routed to b:1
+    # as b:1's, speculatively)
+    d = scheduler({KV_KEY: svc}).schedule(token_request(prompt), [endpoint("a:1"), endpoint("b:1")]).decision
     assert d.primary == "a:1"
 
 

@@ -11,6 +11,13 @@ Cache credit comes from the KV index when this EPP has one, for pods whose index
 stale, the way an engine uses its tiers: the consecutive prefix of the prompt on GPU, then the
 blocks a slower tier (fastest first) adds to that prefix; without it (no index, a prompt that
 cannot be tokenized, every pod stale, or `cacheCredit: false`) the estimate is purely load-aware.
+
+Speculative entries (`speculativeTtl`, 2 s; 0 turns them off): a routed prompt's blocks count as
+the chosen pod's GPU prefix for that long (`kvindex/speculative.py`, apart from the exact index),
+so that a request right behind it, routed before the engine's events for the first one arrive,
+is estimated as the engine will serve it there: queued behind the first one's prefill (in the
+pod's backlog), then hitting its blocks. Without them a burst sharing a long prefix looks
+uncached everywhere and spreads, duplicating the prefix on several pods.
 The estimates, the fastest one and the pick mode go into the cycle state for admission,
 explanations and calibration.
 """
@@ -24,30 +31,40 @@ import numpy as np
 from epp.costmodel.estimate import F64
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
+from epp.durations import parse_duration
 from epp.kvindex.service import SERVICE_KEY as KV_KEY
 from epp.kvindex.service import KvIndexService
+from epp.kvindex.speculative import SpeculativeBlocks
 from epp.scheduling.framework import ESTIMATES, FASTEST, CycleState, PluginHandle
 from epp.scheduling.plugins.cache_mode import creditable, load_only
 from epp.scheduling.plugins.prompt_keys import prompt_info
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
-from epp.types import Endpoint, InferenceRequest
+from epp.types import Endpoint, EndpointId, InferenceRequest
 
 
 class TtftParams(Params):
     tie_band: float = 0.05
     tie_band_seconds: float = 0.002
     cache_credit: bool = True
+    speculative_ttl: str | float = "2s"  # 0: off
 
 
 class TtftScorer:
     def __init__(
-        self, name: str, cost: CostModel, kv: KvIndexService | None, band: float, band_s: float
+        self,
+        name: str,
+        cost: CostModel,
+        kv: KvIndexService | None,
+        band: float,
+        band_s: float,
+        speculative: SpeculativeBlocks | None = None,
     ) -> None:
         self._name = name
         self.cost = cost
         self.kv = kv
         self.band = band
         self.band_s = band_s
+        self.speculative = speculative
 
     @property
     def name(self) -> str:
@@ -77,6 +94,10 @@ class TtftScorer:
             runs = np.zeros((len(order), len(endpoints)), dtype=np.int64)
             at = {e.id: i for i, e in enumerate(endpoints)}
             runs[:, [at[p] for p in pods]] = kv.index.lookup_tier_runs(keys, pods, order)
+        if self.speculative is not None:
+            at = {e.id: i for i, e in enumerate(endpoints)}
+            for pod, blocks in self.speculative.prefix(keys, pods, state.now).items():
+                np.maximum(runs[:, at[pod]], blocks, out=runs[:, at[pod]])
         bs = kv.block_size
         out: dict[str, F64] = {}
         previous = np.zeros(len(endpoints), dtype=np.int64)
@@ -85,6 +106,14 @@ class TtftScorer:
                 out[tier] = ((run - previous) * bs).astype(np.float64)
             previous = run
         return tokens, out
+
+    def picked(self, state: CycleState, request: InferenceRequest, endpoint: EndpointId) -> None:
+        """With `speculativeTtl`: the routed prompt's blocks count as the chosen pod's, for that long."""
+        if self.speculative is None or self.kv is None:
+            return
+        keys = prompt_info(state, request, self.kv)[1]
+        if keys is not None and len(keys):
+            self.speculative.add(endpoint, keys, state.now)
 
     def score(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
@@ -114,7 +143,12 @@ def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
     kv = handle.services.get(KV_KEY) if params.cache_credit else None
     if kv is not None and not isinstance(kv, KvIndexService):
         raise PluginParamsError("type", "the KV index service is not a KvIndexService")
-    return TtftScorer(name, cost, kv, params.tie_band, params.tie_band_seconds)
+    try:
+        ttl = parse_duration(params.speculative_ttl)
+    except ValueError as err:
+        raise PluginParamsError("speculativeTtl", str(err)) from None
+    speculative = SpeculativeBlocks(ttl) if ttl > 0 and kv is not None else None
+    return TtftScorer(name, cost, kv, params.tie_band, params.tie_band_seconds, speculative)
 
 
 SPEC = PluginSpec(
