@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from epp.clock import Clock
-from epp.types import NO_WORK, Endpoint, EndpointId, MetricsSnapshot, PrefillWork
+from epp.types import NO_WORK, Endpoint, EndpointId, MetricsSnapshot, PrefillWork, endpoint_view
 
 
 @dataclass(slots=True)
@@ -40,17 +40,17 @@ class EndpointRecord:
 
     def view(self) -> Endpoint:
         if self._view is None:
-            self._view = Endpoint(
-                id=self.id,
-                metrics=self.metrics,
-                healthy=self.healthy,
-                in_flight_requests=self.in_flight_requests,
-                in_flight_prompt_tokens=self.in_flight_prompt_tokens,
-                model=self.model,
-                labels=self.labels,
-                prefill_backlog=self.prefill_backlog,
-                decoding_requests=self.decoding_requests,
-                decoding_tokens=self.decoding_tokens,
+            self._view = endpoint_view(
+                self.id,
+                self.metrics,
+                self.healthy,
+                self.in_flight_requests,
+                self.in_flight_prompt_tokens,
+                self.model,
+                self.labels,
+                self.prefill_backlog,
+                self.decoding_requests,
+                self.decoding_tokens,
             )
         return self._view
 

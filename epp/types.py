@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from epp.frozen import twin
+
 EndpointId = str
 """An endpoint is named by its `ip:port`, exactly as Envoy receives it."""
 
@@ -129,6 +131,57 @@ def _load_row(e: Endpoint) -> bytes:
         free,
         m.block_size or 0,
     )
+
+
+_EndpointTwin = twin(Endpoint)
+_SnapshotTwin = twin(MetricsSnapshot)
+
+
+def endpoint_view(
+    id: EndpointId,
+    metrics: MetricsSnapshot | None,
+    healthy: bool,
+    in_flight_requests: int,
+    in_flight_prompt_tokens: int,
+    model: str | None,
+    labels: Mapping[str, str],
+    prefill_backlog: PrefillWork,
+    decoding_requests: int,
+    decoding_tokens: int,
+) -> Endpoint:
+    """`Endpoint(...)` with every field given, built 3x faster (`epp/frozen.py`): the datastore builds
+    one per change of an endpoint's state, which is several times per request."""
+    e = _EndpointTwin(
+        id, metrics, healthy, in_flight_requests, in_flight_prompt_tokens, model, labels, prefill_backlog,
+        decoding_requests, decoding_tokens, b"",
+    )  # fmt: skip
+    e.load_row = _load_row(e)
+    e.__class__ = Endpoint
+    return e  # type: ignore[no-any-return]
+
+
+def metrics_snapshot(
+    observed_at: float,
+    waiting: int,
+    running: int,
+    kv_usage: float,
+    block_size: int | None,
+    num_gpu_blocks: int | None,
+    prefix_cache_queries: float | None,
+    prefix_cache_hits: float | None,
+    models: frozenset[str],
+    running_lora_adapters: frozenset[str],
+    waiting_lora_adapters: frozenset[str],
+    max_lora: int | None = None,
+) -> MetricsSnapshot:
+    """`MetricsSnapshot(...)`, built 3x faster (`epp/frozen.py`), for the simulator's scrapes (every
+    engine every 50 ms)."""
+    m = _SnapshotTwin(
+        observed_at, waiting, running, kv_usage, block_size, num_gpu_blocks, prefix_cache_queries,
+        prefix_cache_hits, models, running_lora_adapters, waiting_lora_adapters, max_lora,
+    )  # fmt: skip
+    m.__class__ = MetricsSnapshot
+    return m  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)

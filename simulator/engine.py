@@ -55,7 +55,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass
 
-from epp.types import MetricsSnapshot
+from epp.types import MetricsSnapshot, metrics_snapshot
 from simulator.events import EventSink, OnEvents
 from simulator.kernel import Handle, Kernel
 from simulator.kvcache import DECODE, DONE, PREFILL, WAITING, KvCacheManager, ReqState
@@ -446,7 +446,7 @@ class Engine:
             running_loras = frozenset(r.lora for r in self.running.values() if r.lora)
             waiting_loras = frozenset(r.lora for r in self.waiting if r.lora)
         usable = pool.num_blocks - 1
-        return MetricsSnapshot(  # positional (a scrape per engine every 50 ms in the cluster): as named
+        return metrics_snapshot(  # (a scrape per engine every 50 ms in the cluster)
             self.kernel.now() if now is None else now,  # observed_at
             len(self.waiting),  # waiting
             len(self.running),  # running

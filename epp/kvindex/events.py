@@ -11,10 +11,12 @@ a short loop per event. If that decode rejects the payload, a slow path decodes 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass
 from typing import Annotated, Any, Final, Generic, TypeVar, Union
 
 import msgspec
+
+from epp.frozen import twin
 
 GPU: Final = "gpu"
 CPU: Final = "cpu"
@@ -249,21 +251,9 @@ def _first_event_is_map(payload: bytes) -> bool:
     return bool(first) and (0x80 <= first[0] <= 0x8F or first in (b"\xde", b"\xdf"))
 
 
-def _twin(cls: type) -> Any:
-    """A mutable slots dataclass with `cls`'s fields. Building one and assigning `__class__ = cls`
-    gives an ordinary (equal, hashable, frozen) `cls` instance 3x faster than the frozen
-    __init__, which sets each field via object.__setattr__ (~0.9 us for BlockStored). Python
-    refuses the assignment unless both slot layouts match: checked here, at import."""
-    names = [f.name for f in fields(cls)]
-    twin = make_dataclass(f"_{cls.__name__}Twin", names, slots=True)
-    probe = twin(*names)
-    probe.__class__ = cls
-    return twin
-
-
-_StoredTwin: Final = _twin(BlockStored)
-_RemovedTwin: Final = _twin(BlockRemoved)
-_BatchTwin: Final = _twin(EventBatch)
+_StoredTwin: Final = twin(BlockStored)  # (3x faster to build: `epp/frozen.py`)
+_RemovedTwin: Final = twin(BlockRemoved)
+_BatchTwin: Final = twin(EventBatch)
 _CLEARED: Final = AllBlocksCleared()
 
 
