@@ -371,6 +371,34 @@ def test_default_profile_a_gpu_hit_behind_a_three_second_queue_loses_to_an_idle_
     assert d.primary == "a:1"
 
 
+def test_among_near_ties_the_pods_holding_the_prompt_win_and_equals_stay_random() -> None:
+    """A pod holding the prompt behind a short queue ties (within the band) with an idle pod that does
+    not: the holder scores 1, the idle one just below 1 and above every pod outside the band; two
+    idle pods holding nothing still tie at 1 (a burst spreads)."""
+    svc = kv_service()
+    n = 4096
+    prompt = list(range(n))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    fresh(svc, "b:1", "c:1", "d:1")
+    scorer = make_scorer({KV_KEY: svc})
+    ratio, tokens = 0.0, 0
+    while ratio < 1.01:  # a's backlog grows until its estimate is just above the idle pods' one
+        tokens += 64
+        a = endpoint("a:1", backlog=PrefillWork(1, tokens, tokens * tokens / 2.0))
+        others = [endpoint("b:1"), endpoint("c:1"), endpoint("d:1", waiting=8)]
+        scores, st = score(scorer, token_request(prompt), [a, *others])
+        table = st.data[ESTIMATES]
+        ratio = float(table.ttft[0] / table.ttft[1])
+    assert ratio < 1.04  # inside the 5% band
+    assert table.cached[0] == n - 16 and table.cached[1] == 0
+    assert scores[0] == 1.0
+    assert scores[1] == scores[2] < 1.0  # b and c: near-ties holding less, equal to each other
+    assert scores[3] < scores[1]  # d (a queue of 8): outside the band
+    # without the holder, b and c tie at 1 and the picker spreads between them
+    scores, _ = score(scorer, token_request(prompt), others)
+    assert scores[:2] == [1.0, 1.0] and scores[2] < 1.0
+
+
 def test_default_profile_cpu_tier_beats_recompute_for_a_long_prompt_not_a_short_one() -> None:
     svc = kv_service()
     long_prompt = list(range(16 * 1024))

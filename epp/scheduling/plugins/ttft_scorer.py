@@ -5,7 +5,9 @@ blocks held only on slower tiers (or their recomputation, whichever is cheaper) 
 interference (`epp.costmodel.estimate`). The score is `best / ttft` (1.0 for the fastest);
 candidates within the tie band of the fastest (`tieBand` x best, at least `tieBandSeconds`)
 all score 1.0, so the picker spreads near-ties at random (seeded) instead of herding a burst
-onto one pod.
+onto one pod; except that near-ties holding less of the prompt than the others score just below
+1.0 (above every pod outside the band): among near-ties the pods holding the most of the prompt
+win, since they add less prefill work and copy no prefix into another pod's KV.
 
 Cache credit comes from the KV index when this EPP has one, for pods whose index is not
 stale, the way an engine uses its tiers: the consecutive prefix of the prompt on GPU, then the
@@ -126,7 +128,18 @@ class TtftScorer:
         state.data[ESTIMATES] = table
         state.data[FASTEST] = best
         cut = best + max(best * self.band, self.band_s)
-        scores: list[float] = np.where(times <= cut, 1.0, best / times).tolist()
+        tied = times <= cut
+        plain = best / times
+        top: float | F64 = 1.0
+        cached = table.cached
+        if tied.sum() > 1:
+            most = float(cached[tied].max())
+            if most > float(cached[tied].min()):
+                # Near-ties holding less of the prompt than the others: above every pod outside the band,
+                # below the ones holding the most (they add less prefill and copy no prefix).
+                second = (1.0 + float(plain[~tied].max(initial=0.0))) / 2.0
+                top = np.where(cached >= most, 1.0, second)
+        scores: list[float] = np.where(tied, top, plain).tolist()
         return scores
 
 
