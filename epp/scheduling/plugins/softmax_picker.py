@@ -23,22 +23,18 @@ class SoftmaxParams(PickerParams):
     temperature: float = 0.0
 
 
-class SoftmaxPicker:
-    def __init__(self, name: str, temperature: float, max_endpoints: int) -> None:
-        self._name = name
-        self.temperature = temperature
-        self.max_endpoints = max_endpoints
-        self._argmax = MaxScorePicker(name, max_endpoints)
+class SoftmaxPicker(MaxScorePicker):
+    """`max-score-picker` at temperature 0; above it, draws as the module docstring says."""
 
-    @property
-    def name(self) -> str:
-        return self._name
+    def __init__(self, name: str, temperature: float, max_endpoints: int) -> None:
+        super().__init__(name, max_endpoints)
+        self.temperature = temperature
 
     def pick(
         self, state: CycleState, request: InferenceRequest, scored: Sequence[ScoredEndpoint]
     ) -> list[EndpointId]:
         if self.temperature == 0.0:
-            return self._argmax.pick(state, request, scored)
+            return super().pick(state, request, scored)
         left = list(scored)
         out: list[EndpointId] = []
         while left and len(out) < self.max_endpoints:
