@@ -20,6 +20,7 @@ so that a request right behind it, routed before the engine's events for the fir
 is estimated as the engine will serve it there: queued behind the first one's prefill (in the
 pod's backlog), then hitting its blocks. Without them a burst sharing a long prefix looks
 uncached everywhere and spreads, duplicating the prefix on several pods.
+
 The estimates, the fastest one and the pick mode go into the cycle state for admission,
 explanations and calibration.
 """
@@ -90,14 +91,13 @@ class TtftScorer:
         if not pods or len(keys) == 0:
             return tokens, {}
         order = ["gpu", *self.cost.tier_order(request.model)]
+        at = {e.id: i for i, e in enumerate(endpoints)}
         if len(pods) == len(endpoints):
             runs = kv.index.lookup_tier_runs(keys, [e.id for e in endpoints], order)
         else:  # stale candidates: no credit
             runs = np.zeros((len(order), len(endpoints)), dtype=np.int64)
-            at = {e.id: i for i, e in enumerate(endpoints)}
             runs[:, [at[p] for p in pods]] = kv.index.lookup_tier_runs(keys, pods, order)
-        if self.speculative is not None:
-            at = {e.id: i for i, e in enumerate(endpoints)}
+        if self.speculative is not None:  # (each row is a union of tiers that includes the GPU)
             for pod, blocks in self.speculative.prefix(keys, pods, state.now).items():
                 np.maximum(runs[:, at[pod]], blocks, out=runs[:, at[pod]])
         bs = kv.block_size
