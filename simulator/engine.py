@@ -43,6 +43,9 @@ kernel event: the engine computes each step's end time as the kernel would (one 
 mid-span (metrics, probes, `steps_ended`). A request submitted mid-span cuts the span at the end of
 the step in progress, where the step-by-step engine would have seen it.
 
+Abort (`abort`, a client gone): a waiting request leaves at once, a running one before the next step
+is scheduled, as vLLM's engine core handles aborts between steps.
+
 Outputs: KV events (`events.py`) at the end of each step that produced any; `metrics()` as the
 EPP's scraper would read vLLM's `/metrics`; per-request `RequestRecord`s and the callbacks
 `on_first_token(record, t)` and `on_finish(record, t)`.
@@ -143,6 +146,8 @@ class Engine:
         self._bounds: list[int] = []  # heap: the last step a span may reach, per pending wake (lazy)
         self._span: tuple[int, list[float], int, Handle] | None = None  # (first step, ends, ctx, event)
         self._order = 0
+        self._aborts: list[ReqState] = []  # running requests aborted, leaving at the next step's start
+        self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
         self._preempted = False
         self.prefix_cache_queries = 0
@@ -173,7 +178,9 @@ class Engine:
             )
         tokens = fed_tokens(request, prompt, m - 1)
         rec = RequestRecord(request, n, self.kernel.now())
-        self.waiting.append(self.kv.new_request(rec, tokens))
+        state = self.kv.new_request(rec, tokens)
+        self._states[id(rec)] = state
+        self.waiting.append(state)
         if self._span is not None:
             self._cut_span()
         if not self._busy:
@@ -181,9 +188,50 @@ class Engine:
             self.kernel.schedule(0.0, self._start_step)
         return rec
 
+    def abort(self, rec: RequestRecord) -> bool:
+        """vLLM's abort (its client went away): a waiting request leaves the queue now; a running one
+        leaves before the next step is scheduled, as vLLM's engine core handles aborts between steps (the
+        step in progress computes it; a span is cut at that step). Its blocks are freed, last first, and
+        stay in the prefix cache; no callback fires for it; `rec.aborted_s` is when the abort came. A running
+        request whose last token comes in the step in progress finishes instead (its `aborted_s` is then
+        None again), as in vLLM. False when it already finished or was aborted."""
+        r = self._states.pop(id(rec), None)
+        if r is None or r.rec is not rec:
+            return False
+        rec.aborted_s = self.kernel.now()
+        if r.phase == WAITING:
+            self.waiting.remove(r)
+            r.phase = DONE
+            return True
+        self._aborts.append(r)
+        if self._span is not None:
+            self._cut_span()
+        return True
+
+    def _leave(self, s: int) -> None:
+        """The aborted running requests leave, before step s is scheduled (`_preempt` without the requeue)."""
+        for v in self._aborts:
+            if v.phase == DONE:
+                continue  # finished at the end of the step in progress
+            del self.running[v.order]
+            if v.phase == DECODE:
+                v.computed = v.c0 + s - v.s0
+                v.outputs = v.o0 + s - v.s0
+                self._n_dec -= 1
+                self._ctx -= v.computed
+            else:
+                self._prefilling.remove(v)
+            v.epoch += 1
+            v.phase = DONE
+            self.kv.free(v)
+            v.rec.output_tokens = v.outputs
+        self._aborts = []
+
     # -- one step ------------------------------------------------------------------------------
     def _start_step(self) -> None:
         s = self._step
+        if self._aborts:
+            self._leave(s)
         self._preempted = False
         wakes = self._wake_start.pop(s, None)
         if wakes:
@@ -431,10 +479,12 @@ class Engine:
 
     def _finish(self, r: ReqState, now: float) -> None:
         r.phase = DONE
+        self._states.pop(id(r.rec), None)
         del self.running[r.order]
         self.kv.free(r)
         rec = r.rec
         rec.finished_s = now
+        rec.aborted_s = None  # (an abort that came during its last step: it finished first)
         rec.output_tokens = r.outputs
 
     # -- observation ---------------------------------------------------------------------------

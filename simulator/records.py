@@ -48,6 +48,7 @@ class RequestRecord:
     cpu_loaded_tokens: int = 0  # loaded from the CPU tier instead of recomputed, when first scheduled
     output_tokens: int = 0
     preemptions: int = 0
+    aborted_s: float | None = None  # `Engine.abort`: when its client went away (it never finishes)
 
     @property
     def request_id(self) -> str:

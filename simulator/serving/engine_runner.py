@@ -4,8 +4,8 @@ when the engine's `on_first_token` and `on_finish` fire.
 Pacing a stream: a decoding request gets one token per engine step, so its tokens so far are 1 + the
 steps that ended since its first token (`Pending.tokens_out`). That is exact unless the request is
 preempted after its first token (its recomputation steps then count as tokens); the count is capped
-below the total until `on_finish`, which always delivers the rest. The engine has no abort: a request
-whose client went away runs to completion (its blocks are freed at the end, as after vLLM's abort).
+below the total until `on_finish`, which always delivers the rest. A request whose client went away is
+aborted (`abort`), as vLLM's server does: it leaves the engine before its next step.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class EngineRunner:
         self.finish_hook = on_finish
         self.pending: set[Pending] = set()
         self.submitted = 0
+        self.aborted = 0
 
     async def start(self) -> None:
         block_map.warm_up()  # compile (or load) the engine's compiled loops before the first request
@@ -127,6 +128,19 @@ class EngineRunner:
         self.submitted += 1
         self.driver.wake()
         return pending
+
+    def abort(self, pending: Pending) -> bool:
+        """Its client went away: the engine drops it (`Engine.abort`) and its futures are cancelled. False
+        when it had finished already."""
+        self.driver.advance()
+        self.pending.discard(pending)
+        for fut in (pending.first_token, pending.finished):
+            fut.cancel()
+        if not self.engine.abort(pending.record):
+            return False
+        self.aborted += 1
+        self.driver.wake()
+        return True
 
     def _first_token(self, record: RequestRecord, t: float) -> None:
         pending: Pending = record.request.context

@@ -9,13 +9,15 @@ Timing of a response (engine times are kernel seconds, see `realtime.py`):
   rest with `finish_reason` "length", the usage chunk if `stream_options.include_usage`, and
   `data: [DONE]`.
 
-A client that goes away only stops its writer: the engine has no abort, so the request runs to
-completion there. Requests arriving while the server stops get 503; streams cut by the stop end with
-an error event.
+A client that goes away has its request aborted, as vLLM does: a stream notices when a write fails, a
+non-streaming request when the server cancels its handler (`handler_cancellation`); the engine drops
+it before its next step (`Engine.abort`). Requests arriving while the server stops get 503; streams
+cut by the stop end with an error event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -91,6 +93,9 @@ class OpenAiApi:
             await pending.finished
         except EngineStopped as err:
             return error_response(ApiError(str(err), status=503))
+        except asyncio.CancelledError:  # the client went away (the server cancels its handler)
+            self._client_gone(pending)
+            raise
         rec = pending.record
         use = usage(rec.prompt_tokens, rec.output_tokens, rec.reported_cached_tokens)
         return web.Response(body=shape.complete(self.text.text(pending.output_ids), use), content_type=_JSON)
@@ -117,9 +122,17 @@ class OpenAiApi:
         except EngineStopped as err:
             with contextlib.suppress(ConnectionError):
                 await resp.write(error_event(ApiError(str(err), status=503).body()))
-        except ConnectionError:  # the client went away; the engine finishes the request anyway
-            self.disconnects += 1
+        except ConnectionError:  # the client went away (a write failed)
+            self._client_gone(pending)
+        except asyncio.CancelledError:  # the client went away (the server cancelled this handler)
+            self._client_gone(pending)
+            raise
         return resp
+
+    def _client_gone(self, pending: Pending) -> None:
+        """Abort the request, as vLLM does when its client goes away."""
+        self.disconnects += 1
+        self.runner.abort(pending)
 
     async def _stream_tokens(
         self, resp: web.StreamResponse, gen: Generation, pending: Pending, shape: ResponseShape

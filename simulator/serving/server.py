@@ -107,7 +107,8 @@ class SimulatedEngineServer:
                 mode=cfg.kv_events_mode,
                 buffer_steps=cfg.kv_buffer_steps,
             )
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that goes away cancels its handler, which aborts its request
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         try:
             await self.runner.start()
             await runner.setup()

@@ -466,6 +466,7 @@ async def serve_with_debug_off(
                         f"{envoy.url}/v1/chat/completions", json=body, headers={TENANT: "tenant-a"}
                     ) as r:
                         assert r.status == 200, await r.text()
+                        await r.read()  # to the end: a client that hangs up has its request aborted
             for path in (
                 "/debug/endpoints",
                 "/debug/index",

@@ -210,17 +210,28 @@ async def test_stream_interval_groups_tokens_and_tokens_never_run_ahead() -> Non
         assert all(n >= 4 for n in counts[1:-1])  # the first token goes alone-or-more, the rest by 4
 
 
-async def test_a_client_that_goes_away_breaks_nothing() -> None:
+async def test_a_client_that_goes_away_has_its_request_aborted() -> None:
+    """As vLLM's server: a stream whose client hangs up, and a non-streaming request whose client gives up,
+    leave the engine before they finish; their blocks are freed and stay cached for the next request."""
     async with serving(time_scale=0.5) as (srv, session):
         body = {"prompt": list(range(50)), "max_tokens": 200, "stream": True}
         async with session.post(f"{srv.url}/v1/completions", json=body) as r:
             await r.content.readline()  # the first token arrived
             (pending,) = srv.runner.pending
             r.close()  # hang up mid-stream
-        # The engine runs the request to completion (it has no abort) and frees its blocks.
-        await eventually(lambda: pending.finished.done(), "the abandoned request finishes in the engine")
-        await eventually(lambda: srv.api is not None and srv.api.disconnects == 1, "the writer noticed")
-        assert srv.metrics.finished == 1 and pending.record.output_tokens == 200
+        await eventually(lambda: srv.runner.aborted == 1, "the request is aborted once the writer notices")
+        assert srv.api is not None and srv.api.disconnects == 1
+        await eventually(lambda: not srv.engine.running, "it leaves the engine before its next step")
+        rec = pending.record
+        assert rec.aborted_s is not None and rec.finished_s is None and 0 < rec.output_tokens < 200
+        assert srv.metrics.finished == 0 and not srv.runner.pending
+        # a non-streaming request whose client gives up before the answer
+        slow = {"prompt": list(range(50)), "max_tokens": 400}
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(post(session, srv, "/v1/completions", slow), 0.3)
+        await eventually(lambda: srv.runner.aborted == 2, "the cancelled handler aborts its request")
+        await eventually(lambda: not srv.engine.running, "and it leaves the engine")
+        assert srv.metrics.finished == 0 and srv.api.disconnects == 2
         status, doc = await post(
             session, srv, "/v1/completions", {"prompt": list(range(50)), "max_tokens": 3}
         )

@@ -631,3 +631,31 @@ def test_default_outputs_are_deterministic_and_bad_requests_are_refused() -> Non
         Engine(Kernel(), EngineConfig(cpu_blocks=4), LatencyProfile("x", 0, 0, 0, 0, 0, 0, 1.0))
     with pytest.raises(ValueError, match="unknown latency profile"):
         Engine(Kernel(), EngineConfig(), "no-such-profile")
+
+
+def test_an_aborted_request_leaves_before_the_next_step_and_its_blocks_stay_cached() -> None:
+    """vLLM's abort: a waiting request leaves at once; a running one after the step in progress (which
+    computes it), with no finish; its blocks are freed and stay in the prefix cache; one whose last token
+    comes in the step in progress finishes instead; a second abort, or one after the finish, is False."""
+    run = make(num_gpu_blocks=64, block_size=16, max_num_seqs=1)
+    e, k = run.engine, run.kernel
+    long_ = e.submit(SimRequest("long", toks(0, 64), 500))
+    queued = e.submit(SimRequest("queued", toks(1000, 32), 5))  # waits: one sequence at a time
+    k.run(until=0.2)
+    assert len(e.running) == 1 and len(e.waiting) == 1
+    assert e.abort(queued) and not e.waiting and queued.aborted_s == 0.2
+    assert e.abort(long_) and not e.abort(long_)
+    assert len(e.running) == 1  # until the step in progress ends
+    k.run()
+    assert not e.running and e.idle and e.pool.num_used == 0
+    assert long_.finished_s is None and long_.aborted_s == 0.2 and 1 <= long_.output_tokens < 500
+    assert queued.scheduled_s is None and run.finished == []
+    again = sequential(run, [toks(0, 64)])[0]  # the aborted prompt's blocks are still cached
+    assert again.cached_tokens == 48  # (the last block: vLLM always computes the prompt's last token)
+    assert not e.abort(again)  # finished
+    last = e.submit(SimRequest("last", toks(5000, 16), 2))
+    while last.first_token_s is None:
+        k.step()
+    assert e.abort(last)  # during its last step: it finishes first
+    k.run()
+    assert last.finished_s is not None and last.aborted_s is None and last.output_tokens == 2

@@ -152,3 +152,44 @@ def test_a_lone_decode_runs_as_few_kernel_events_and_a_mid_span_arrival_is_serve
     assert span.kernel.events_run < step.kernel.events_run / 4
     first = {rid: at for kind, rid, at in span.calls if kind == "first"}
     assert 0.5 < first["r1"] < 0.6  # admitted at the end of the step in progress at 0.5
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests,
+    configs,
+    st.lists(st.tuples(st.floats(0.0, 0.6, allow_nan=False), st.integers(0, 19)), max_size=10),
+)
+def test_aborts_from_outside_change_nothing_between_spans_and_steps_and_leave_the_pool_whole(
+    reqs: list[tuple[float, int, int, int]], cfg: EngineConfig, aborts: list[tuple[float, int]]
+) -> None:
+    """Aborts (a client going away, as the serving driver reports it) mid-span or not: the same records,
+    calls and events with spans as without; an aborted request never finishes, and every block is
+    accounted for."""
+    moments = sorted(
+        [(at, i, False) for i, (at, *_rest) in enumerate(reqs)] + [(t, j, True) for t, j in aborts]
+    )
+    twins = [twin(False, cfg), twin(True, cfg)]
+    results: list[list[bool]] = [[], []]
+    for t, out in zip(twins, results, strict=True):
+        for at, i, abort in moments:
+            t.kernel.run(until=at)
+            if abort:
+                if i < len(t.recs):
+                    out.append(t.engine.abort(t.recs[i]))
+            else:
+                _, family, n, m = reqs[i]
+                if fits(cfg, n, m):
+                    t.submit(i, prompt_of(family, n), m)
+        t.kernel.run()
+        t.engine.pool.check()
+        assert t.engine.idle and not t.engine.running and not t.engine.waiting
+        assert t.engine.pool.num_used == 0
+        for r in t.recs:
+            assert (r.aborted_s is None) != (r.finished_s is None)  # one or the other
+    step, span = twins
+    assert results[1] == results[0]
+    assert span.outcome() == step.outcome()
+    assert span.calls == step.calls
+    assert span.batches == step.batches
+    assert [r.aborted_s for r in span.recs] == [r.aborted_s for r in step.recs]
