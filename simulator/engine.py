@@ -209,21 +209,12 @@ class Engine:
         return True
 
     def _leave(self, s: int) -> None:
-        """The aborted running requests leave, before step s is scheduled (`_preempt` without the requeue)."""
+        """The aborted running requests leave, before step s is scheduled."""
         for v in self._aborts:
             if v.phase == DONE:
                 continue  # finished at the end of the step in progress
-            del self.running[v.order]
-            if v.phase == DECODE:
-                v.computed = v.c0 + s - v.s0
-                v.outputs = v.o0 + s - v.s0
-                self._n_dec -= 1
-                self._ctx -= v.computed
-            else:
-                self._prefilling.remove(v)
-            v.epoch += 1
+            self._unschedule(v, s)
             v.phase = DONE
-            self.kv.free(v)
             v.rec.output_tokens = v.outputs
         self._aborts = []
 
@@ -371,7 +362,9 @@ class Engine:
                 return False
         return True
 
-    def _preempt(self, v: ReqState, s: int) -> None:
+    def _unschedule(self, v: ReqState, s: int) -> None:
+        """Running v stops before step s: out of the running set and the decode accounting (its pending
+        wakes void), its blocks freed (last first, kept in the prefix cache)."""
         del self.running[v.order]
         if v.phase == DECODE:
             done = s - v.s0
@@ -383,6 +376,9 @@ class Engine:
         else:
             self._prefilling.remove(v)
         self.kv.free(v)
+
+    def _preempt(self, v: ReqState, s: int) -> None:
+        self._unschedule(v, s)
         v.computed = 0
         v.target = v.prompt_len + v.outputs
         v.phase = WAITING
