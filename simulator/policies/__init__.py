@@ -57,7 +57,7 @@ def config_text(name: str) -> str:
     """The EPP config of policy `name` (`oracle` uses the `ttft` one), or of the config file it names.
     KeyError lists the known names; ValueError when a file cannot be read."""
     if is_file(name):
-        given = pathlib.Path(name.partition("=")[2] if "=" in name else name)
+        given = pathlib.Path(name.partition("=")[2] or name)
         try:
             return given.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 
 import msgspec
 
-from epp.durations import parse_duration
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.scheduling.framework import CycleState, PluginHandle
 from epp.scheduling.plugins.cache_mode import creditable, load_only
 from epp.scheduling.plugins.prompt_keys import prompt_keys
+from epp.scheduling.plugins.speculation import remember, speculative_blocks
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
@@ -76,11 +76,7 @@ class PrecisePrefixCacheScorer:
 
     def picked(self, state: CycleState, request: InferenceRequest, endpoint: EndpointId) -> None:
         """With `speculativeTtl`: the routed prompt's blocks are the chosen pod's, for that long."""
-        if self.speculative is None:
-            return
-        keys = prompt_keys(state, request, self.service)
-        if keys is not None and len(keys):
-            self.speculative.add(endpoint, keys, state.now)
+        remember(self.speculative, self.service, state, request, endpoint)
 
 
 def _build(name: str, params: PrecisePrefixParams, handle: PluginHandle) -> PrecisePrefixCacheScorer:
@@ -89,15 +85,11 @@ def _build(name: str, params: PrecisePrefixParams, handle: PluginHandle) -> Prec
             raise PluginParamsError(f"tierWeights.{tier}", f"tier weight must be in [0, 1], got {w}")
     if not 0.0 <= params.unknown_tier_weight <= 1.0:
         raise PluginParamsError("unknownTierWeight", "must be in [0, 1]")
-    try:
-        ttl = parse_duration(params.speculative_ttl)
-    except ValueError as err:
-        raise PluginParamsError("speculativeTtl", str(err)) from None
+    speculative = speculative_blocks(params.speculative_ttl)
     service = handle.services.get(SERVICE_KEY)
     if not isinstance(service, KvIndexService):
         raise PluginParamsError("type", "needs the KV index (this EPP was built without one)")
     weights = DEFAULT_TIER_WEIGHTS | {k.lower(): float(v) for k, v in params.tier_weights.items()}
-    speculative = SpeculativeBlocks(ttl) if ttl > 0 else None
     return PrecisePrefixCacheScorer(name, service, weights, params.unknown_tier_weight, speculative)
 
 

@@ -34,13 +34,13 @@ import numpy as np
 from epp.costmodel.estimate import F64
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
-from epp.durations import parse_duration
 from epp.kvindex.service import SERVICE_KEY as KV_KEY
 from epp.kvindex.service import KvIndexService
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.scheduling.framework import ESTIMATES, FASTEST, CycleState, PluginHandle
 from epp.scheduling.plugins.cache_mode import creditable, load_only
 from epp.scheduling.plugins.prompt_keys import prompt_info
+from epp.scheduling.plugins.speculation import remember, speculative_blocks
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
@@ -111,11 +111,7 @@ class TtftScorer:
 
     def picked(self, state: CycleState, request: InferenceRequest, endpoint: EndpointId) -> None:
         """With `speculativeTtl`: the routed prompt's blocks count as the chosen pod's, for that long."""
-        if self.speculative is None or self.kv is None:
-            return
-        keys = prompt_info(state, request, self.kv)[1]
-        if keys is not None and len(keys):
-            self.speculative.add(endpoint, keys, state.now)
+        remember(self.speculative, self.kv, state, request, endpoint)
 
     def score(
         self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]
@@ -156,11 +152,9 @@ def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
     kv = handle.services.get(KV_KEY) if params.cache_credit else None
     if kv is not None and not isinstance(kv, KvIndexService):
         raise PluginParamsError("type", "the KV index service is not a KvIndexService")
-    try:
-        ttl = parse_duration(params.speculative_ttl)
-    except ValueError as err:
-        raise PluginParamsError("speculativeTtl", str(err)) from None
-    speculative = SpeculativeBlocks(ttl) if ttl > 0 and kv is not None else None
+    speculative = speculative_blocks(params.speculative_ttl)  # (checked even without the index)
+    if kv is None:
+        speculative = None
     return TtftScorer(name, cost, kv, params.tie_band, params.tie_band_seconds, speculative)
 
 

@@ -1,0 +1,36 @@
+"""What the cache-aware scorers with `speculativeTtl` share: the parameter, and remembering a routed
+prompt for the chosen pod (`epp/kvindex/speculative.py`)."""
+
+from __future__ import annotations
+
+from epp.durations import parse_duration
+from epp.kvindex.service import KvIndexService
+from epp.kvindex.speculative import SpeculativeBlocks
+from epp.scheduling.framework import CycleState
+from epp.scheduling.plugins.prompt_keys import prompt_keys
+from epp.scheduling.registry import PluginParamsError
+from epp.types import EndpointId, InferenceRequest
+
+
+def speculative_blocks(ttl: str | float) -> SpeculativeBlocks | None:
+    """The store for a `speculativeTtl` value; None when it is 0. PluginParamsError for a bad duration."""
+    try:
+        seconds = parse_duration(ttl)
+    except ValueError as err:
+        raise PluginParamsError("speculativeTtl", str(err)) from None
+    return SpeculativeBlocks(seconds) if seconds > 0 else None
+
+
+def remember(
+    store: SpeculativeBlocks | None,
+    service: KvIndexService | None,
+    state: CycleState,
+    request: InferenceRequest,
+    endpoint: EndpointId,
+) -> None:
+    """The routed prompt's blocks count as `endpoint`'s in `store` (if any) from now."""
+    if store is None or service is None:
+        return
+    keys = prompt_keys(state, request, service)
+    if keys is not None and len(keys):
+        store.add(endpoint, keys, state.now)
