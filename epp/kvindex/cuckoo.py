@@ -90,6 +90,13 @@ def place(  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def find_scalar(tkeys: Any, ttags: Any, count: Any, nb: int, key: int, tag: int) -> Any:  # pragma: no cover
+    """The slot of one (key, tag), or -1. `key` comes as a signed 64-bit int (the key's bits: Python ints
+    of 2^63 and above do not pass as a numba int64), reinterpreted here as the unsigned key."""
+    return find_one(tkeys, ttags, count, nb, numba.uint64(key), tag)[0]
+
+
+@numba.njit(cache=True, nogil=True)
 def find_run(  # pragma: no cover - compiled
     tkeys: Any, ttags: Any, count: Any, nb: int, keys: Any, tags: Any, out: Any
 ) -> None:

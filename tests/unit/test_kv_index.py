@@ -1275,6 +1275,44 @@ def test_hash_table_against_a_dict(n: int, roomy_until: int) -> None:
     assert len(occ) == table.size
 
 
+def test_hash_table_find_one_reads_every_key_width() -> None:
+    """The scalar probe is compiled and takes a key as the signed int of its bits: keys at and above 2^63
+    (and the table's empty key, 0) must come back the same as from the batched probe."""
+    table = HashTable(np.uint16, {})
+    keys = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 63) + 5, (1 << 64) - 1]
+    table.upsert(np.array(keys, dtype=np.uint64), np.full(len(keys), 3, dtype=np.uint16), {})
+    found = table.find(np.array(keys, dtype=np.uint64), np.full(len(keys), 3, dtype=np.uint16)).tolist()
+    assert min(found) >= 0
+    assert [table.find_one(k, 3) for k in keys] == found
+    assert [table.find_one(k, 4) for k in keys] == [-1] * len(keys)
+    assert table.find_one(2, 3) == -1
+
+
+def test_hash_table_added_column_keeps_the_rows_and_starts_empty() -> None:
+    """A slot's columns share one row; adding a column (a new tier) rebuilds the rows: every item keeps its
+    values, the new column holds its empty value, and deleting moves whole rows."""
+    table = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 7)})
+    keys = np.arange(1, 201, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    tags = np.arange(200, dtype=np.uint16) % 5
+    state = keys ^ np.uint64(0xFFFF0000FFFF0000)
+    info = np.arange(200, dtype=np.uint32) * 3
+    table.upsert(keys, tags, {"state": state, "info": info})
+    table.add_column("s0", np.uint32, 0xFFFFFFFF)
+    at = table.find(keys, tags)
+    assert table.cols["state"][at].tolist() == state.tolist()
+    assert table.cols["info"][at].tolist() == info.tolist()
+    assert set(table.cols["s0"].tolist()) == {0xFFFFFFFF}
+    table.cols["s0"][at] = np.arange(200, dtype=np.uint32)
+    table.delete(at[::2])
+    left = table.find(keys[1::2], tags[1::2])
+    assert (left >= 0).all()
+    assert table.cols["state"][left].tolist() == state[1::2].tolist()
+    assert table.cols["s0"][left].tolist() == list(range(1, 200, 2))
+    free = np.setdiff1d(np.arange(table.capacity), table.occupied())
+    assert set(table.cols["info"][free].tolist()) == {7}  # free slots hold every column's empty value
+    assert set(table.cols["s0"][free].tolist()) == {0xFFFFFFFF}
+
+
 def test_hash_table_at_high_load_uses_cuckoo_moves() -> None:
     table = HashTable(np.uint16, {}, buckets=64, max_load=0.97)
     keys = np.arange(1, 64 * 8 * 97 // 100, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
