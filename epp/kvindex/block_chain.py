@@ -18,17 +18,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from epp.kvindex.keys import MULT, TOKEN_SEED
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def fmix(x: Any) -> Any:  # pragma: no cover - compiled
-    """`keys.fmix` on a uint64, compiled."""
-    x ^= x >> numba.uint64(33)
-    x *= numba.uint64(0xFF51AFD7ED558CCD)
-    x ^= x >> numba.uint64(33)
-    x *= numba.uint64(0xC4CEB9FE1A85EC53)
-    return x ^ (x >> numba.uint64(33))
+from epp.kvindex.rolling import MULT, TOKEN_SEED, fmix
 
 
 @numba.njit(cache=True, nogil=True)

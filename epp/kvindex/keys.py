@@ -15,8 +15,8 @@ Definition (a polynomial rolling hash over mixed tokens, finalised per block):
 
 So the key of block b depends on the root and on every token before the end of b, and nothing else: it
 is independent of how the tokens were grouped into engine blocks (which is what lets the index chain
-engine blocks of 64, 32 or 1 token into index blocks of 16). Being linear in the mixed tokens, S is a
-prefix scan that numpy computes with one cumulative sum: S_p = M^p * S_0 + M^(p-1) * sum_{k<p} M^-k g_k.
+engine blocks of 64, 32 or 1 token into index blocks of 16). A prompt's keys are one compiled pass over
+its tokens (`rolling.chain_keys`).
 
 Collision resistance is that of a 64-bit hash against natural data (about n^2 / 2^65 for n keys). It is
 not a cryptographic MAC: a prompt crafted to collide (for instance with Thue-Morse patterns of two
@@ -33,12 +33,13 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from epp.kvindex.rolling import MULT as MULT  # (the constants live with the compiled loops)
+from epp.kvindex.rolling import TOKEN_SEED as TOKEN_SEED
+from epp.kvindex.rolling import chain_keys
+
 Keys = npt.NDArray[np.uint64]
 
 MASK64: Final = (1 << 64) - 1
-MULT: Final = 0x9E3779B97F4A7C15  # odd, multiplicative order 2^62 modulo 2^64
-MULT_INV: Final = pow(MULT, -1, 1 << 64)
-TOKEN_SEED: Final = 0x632BE59BD9B4E019
 _F1: Final = 0xFF51AFD7ED558CCD  # murmur3 fmix64 multipliers
 _F2: Final = 0xC4CEB9FE1A85EC53
 _F1_INV: Final = pow(_F1, -1, 1 << 64)
@@ -118,36 +119,6 @@ def root_key(model: str, salt: str | bytes | None = None) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-class _Powers:
-    """MULT^i and MULT^-i for i < len, grown by doubling on demand (deterministic, so a cache is safe)."""
-
-    def __init__(self) -> None:
-        self.pos: Keys = np.ones(1, dtype=np.uint64)
-        self.neg: Keys = np.ones(1, dtype=np.uint64)
-
-    def get(self, n: int) -> tuple[Keys, Keys]:
-        if n > len(self.pos):
-            size = max(n, 2 * len(self.pos), 4096)
-            self.pos = _power_table(MULT, size)
-            self.neg = _power_table(MULT_INV, size)
-        return self.pos, self.neg
-
-
-def _power_table(base: int, n: int) -> Keys:
-    out = np.full(n, base, dtype=np.uint64)
-    out[0] = 1
-    return np.cumprod(out, dtype=np.uint64)  # wraps modulo 2^64
-
-
-_POWERS: Final = _Powers()
-_U_SEED: Final = np.uint64(TOKEN_SEED)
-
-
-def powers(n: int) -> tuple[Keys, Keys]:
-    """(MULT^i, MULT^-i) for i in range(at least n), as uint64 arrays (read-only by convention)."""
-    return _POWERS.get(n)
-
-
 def as_tokens(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
     """Token ids as an integer array (no copy when already one)."""
     if isinstance(token_ids, (list, tuple)):
@@ -163,29 +134,13 @@ def as_tokens(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray
     return arr
 
 
-def mix_tokens(tokens: npt.NDArray[np.integer]) -> Keys:
-    """g(t) for every token id, as uint64 (a new array)."""
-    x = tokens.astype(np.uint64)
-    x += _U_SEED
-    return fmix_array(x)
-
-
 def block_keys(token_ids: Sequence[int] | npt.NDArray[np.integer], block_size: int, parent: int) -> Keys:
     """uint64 keys of the FULL blocks of token_ids (a trailing partial block is ignored), each chained
-    from the previous key (the first from `parent`). Fully vectorised: one mixing pass, one cumulative
-    sum, one finaliser pass over the block ends."""
+    from the previous key (the first from `parent`): one compiled pass (`rolling.chain_keys`)."""
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     tokens = as_tokens(token_ids)
-    nb = len(tokens) // block_size
-    if nb == 0:
-        return np.zeros(0, dtype=np.uint64)
-    n = nb * block_size
-    pos, neg = powers(n + 1)
-    weighted = mix_tokens(tokens[:n])
-    weighted *= neg[:n]
-    acc = np.cumsum(weighted, dtype=np.uint64)  # acc[k] = sum_{i<=k} M^-i g_i
-    s0 = np.uint64(state_of(parent))
-    states = pos[block_size : n + 1 : block_size] * s0
-    states += pos[block_size - 1 : n : block_size] * acc[block_size - 1 :: block_size]
-    return fmix_array(states)
+    out = np.empty(len(tokens) // block_size, dtype=np.uint64)
+    if len(out):
+        chain_keys(tokens, block_size, np.uint64(state_of(parent)), out)
+    return out

@@ -25,8 +25,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex.block_chain import fmix
 from epp.kvindex.cuckoo import find_one, place
+from epp.kvindex.rolling import fmix
 
 if TYPE_CHECKING:
     from epp.kvindex.holdings import U64, Holdings

@@ -22,7 +22,7 @@ from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watcher import PoolWatcher
-from epp.kvindex import block_chain, cuckoo, event_scan, ownership, prefix_walk
+from epp.kvindex import block_chain, cuckoo, event_scan, ownership, prefix_walk, rolling
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
@@ -228,6 +228,7 @@ class EppServer:
         estimate.warm_up()
         cuckoo.warm_up()
         block_chain.warm_up()
+        rolling.warm_up()
         event_scan.warm_up()
         for ntiers in (1, 2, 3):  # gpu, + cpu, + storage: a new number of tiers compiles its own code
             ownership.warm_up(ntiers)

@@ -119,7 +119,7 @@ def test_keys_are_pinned() -> None:
     st.integers(1, 40),
     st.integers(0, M64),
 )
-def test_vectorised_equals_reference(tokens: list[int], block_size: int, parent: int) -> None:
+def test_compiled_keys_equal_the_reference(tokens: list[int], block_size: int, parent: int) -> None:
     got = block_keys(tokens, block_size, parent)
     assert got.dtype == np.uint64
     assert got.tolist() == reference_keys(tokens, block_size, parent)
@@ -131,6 +131,22 @@ def test_vectorised_equals_reference(tokens: list[int], block_size: int, parent:
 @given(st.lists(st.integers(-(2**40), 2**40), max_size=64), st.integers(1, 8))
 def test_large_and_negative_ids_match_the_reference(tokens: list[int], block_size: int) -> None:
     assert block_keys(tokens, block_size, 7).tolist() == reference_keys(tokens, block_size, 7)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=64), st.integers(1, 8))
+def test_every_integer_dtype_gives_the_reference_keys(tokens: list[int], block_size: int) -> None:
+    """The compiled chain is specialised per dtype: each must take ids modulo 2^64 as the definition does
+    (a negative int32 id is the same id as the int64 one; uint64 ids reach 2^64 - 1)."""
+    want = reference_keys(tokens, block_size, 7)
+    for dtype in (np.int32, np.int64):
+        assert block_keys(np.array(tokens, dtype=dtype), block_size, 7).tolist() == want
+    wrapped = [t % 2**64 for t in tokens]
+    assert block_keys(np.array(wrapped, dtype=np.uint64), block_size, 7).tolist() == want
+    small = [t % 2**32 for t in tokens]
+    assert block_keys(np.array(small, dtype=np.uint32), block_size, 7).tolist() == reference_keys(
+        small, block_size, 7
+    )
 
 
 def test_partial_block_is_ignored() -> None:
