@@ -50,5 +50,6 @@ def index_report(
         "tokenizers": {m: True for m in service.tokenizers.models()},
         "models_without_tokenizer": sorted((served_models or set()) - set(service.tokenizers.models())),
         "precise_scoring_off": unkeyed,
+        "speculative_entries": {name: store.size() for name, store in sorted(service.speculative.items())},
         "pods": pods,
     }

@@ -15,6 +15,7 @@ from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
+from epp.kvindex.speculative import SpeculativeBlocks
 from epp.types import InferenceRequest
 
 SERVICE_KEY = "kv_index"
@@ -31,6 +32,9 @@ class KvIndexService:
     block_size: int
     # model -> requests that could not be keyed, by reason ("no_tokenizer", "tokenizer_error")
     unkeyed: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # scorer plugin name -> its speculative entries (`speculativeTtl`), kept apart from the exact index;
+    # listed here so that /debug/index and the metrics report their size
+    speculative: dict[str, SpeculativeBlocks] = field(default_factory=dict)
 
     def prompt_tokens(self, request: InferenceRequest) -> list[int] | np.ndarray | None:
         """The prompt's token ids as the engine sees them, or None when they cannot be known."""

@@ -28,6 +28,14 @@ class KvIndexCollector(Collector):
         entries.add_metric([], stats.entries)
         evicted = CounterMetricFamily("epp_kv_index_evictions", "Entries evicted by the index's memory bound")
         evicted.add_metric([], stats.evicted)
+        speculative = GaugeMetricFamily(
+            "epp_kv_speculative_entries",
+            "(block, pod) entries a scorer keeps for prompts it just routed (speculativeTtl), expired ones "
+            "not yet dropped included",
+            labels=["plugin"],
+        )
+        for plugin, store in sorted(self.service.speculative.items()):
+            speculative.add_metric([plugin], store.size())
         blocks = GaugeMetricFamily(
             "epp_kv_pod_blocks", "Blocks the index holds per pod and tier", labels=["pod", "tier"]
         )
@@ -93,6 +101,7 @@ class KvIndexCollector(Collector):
             size,
             entries,
             evicted,
+            speculative,
             blocks,
             fresh,
             *per_pod.values(),

@@ -272,3 +272,41 @@ def test_speculative_indexing_credits_the_pod_a_prompt_was_routed_to_until_the_t
     svc.freshness.disconnected("a:1", NOW + 3)  # type: ignore[attr-defined]
     assert scorer.score(CycleState(NOW + 3, random.Random(0)), half, eps) == [0.0, 0.0]  # type: ignore[attr-defined]
     assert len(svc.index.pods()) == 1  # type: ignore[attr-defined]  # the exact index holds only what was reported
+
+
+def test_speculative_entries_are_reported_per_scorer_in_debug_index_and_metrics() -> None:
+    """The speculative store is memory outside the index's bound: /debug/index and the
+    `epp_kv_speculative_entries{plugin}` gauge say how many entries each scorer keeps; a scorer built again
+    without the setting takes its series away."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from epp.kvindex.freshness import FreshnessTracker
+    from epp.kvindex.index import BlockIndex
+    from epp.kvindex.ingest import KvIngest
+    from epp.kvindex.prompt import TokenizerRegistry
+    from epp.kvindex.report import index_report
+    from epp.kvindex.service import SERVICE_KEY, KvIndexService
+    from epp.server.kv_metrics import KvIndexCollector
+    from epp.types import ApiKind, InferenceRequest
+
+    svc = KvIndexService(BlockIndex(16, 10_000), FreshnessTracker(), TokenizerRegistry({}), 16)
+    handle = PluginHandle(clock=FakeClock(NOW), rng=random.Random(0), services={SERVICE_KEY: svc})
+    reg = default_registry()
+    scorer = reg.create("precise-prefix-cache-scorer", "spec", {"speculativeTtl": "2s"}, handle)[1]
+    reg.create("ttft-scorer", "est", {"speculativeTtl": 0}, handle)
+    ingest = KvIngest(svc.index, svc.freshness, lambda pod: "m")
+    metrics = CollectorRegistry()
+    metrics.register(KvIndexCollector(svc, ingest, FakeClock(NOW)))
+
+    def gauge() -> list[str]:
+        text = generate_latest(metrics).decode()
+        return [line for line in text.splitlines() if line.startswith("epp_kv_speculative_entries{")]
+
+    assert index_report(svc, ingest, "per-pod", NOW)["speculative_entries"] == {"spec": 0}
+    req = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt=list(range(8 * 16 + 3)))
+    scorer.picked(CycleState(NOW, random.Random(0)), req, "b:1")  # type: ignore[attr-defined]
+    assert index_report(svc, ingest, "per-pod", NOW)["speculative_entries"] == {"spec": 8}
+    assert gauge() == ['epp_kv_speculative_entries{plugin="spec"} 8.0']
+    reg.create("precise-prefix-cache-scorer", "spec", {}, handle)  # rebuilt without the setting
+    assert index_report(svc, ingest, "per-pod", NOW)["speculative_entries"] == {}
+    assert gauge() == []

@@ -85,10 +85,11 @@ def _build(name: str, params: PrecisePrefixParams, handle: PluginHandle) -> Prec
             raise PluginParamsError(f"tierWeights.{tier}", f"tier weight must be in [0, 1], got {w}")
     if not 0.0 <= params.unknown_tier_weight <= 1.0:
         raise PluginParamsError("unknownTierWeight", "must be in [0, 1]")
-    speculative = speculative_blocks(params.speculative_ttl)
     service = handle.services.get(SERVICE_KEY)
     if not isinstance(service, KvIndexService):
+        speculative_blocks(params.speculative_ttl, name, None)  # (a bad value is named first)
         raise PluginParamsError("type", "needs the KV index (this EPP was built without one)")
+    speculative = speculative_blocks(params.speculative_ttl, name, service)
     weights = DEFAULT_TIER_WEIGHTS | {k.lower(): float(v) for k, v in params.tier_weights.items()}
     return PrecisePrefixCacheScorer(name, service, weights, params.unknown_tier_weight, speculative)
 

@@ -12,13 +12,25 @@ from epp.scheduling.registry import PluginParamsError
 from epp.types import EndpointId, InferenceRequest
 
 
-def speculative_blocks(ttl: str | float) -> SpeculativeBlocks | None:
-    """The store for a `speculativeTtl` value; None when it is 0. PluginParamsError for a bad duration."""
+def speculative_blocks(
+    ttl: str | float, plugin: str, service: KvIndexService | None
+) -> SpeculativeBlocks | None:
+    """The store for a `speculativeTtl` value of scorer `plugin`; None when it is 0 or there is no index
+    (the value is checked all the same). The store is listed in `service.speculative` under the plugin's
+    name (its size is reported; a plugin built again replaces its entry). PluginParamsError for a bad
+    duration."""
     try:
         seconds = parse_duration(ttl)
     except ValueError as err:
         raise PluginParamsError("speculativeTtl", str(err)) from None
-    return SpeculativeBlocks(seconds) if seconds > 0 else None
+    if service is None:
+        return None
+    store = SpeculativeBlocks(seconds) if seconds > 0 else None
+    if store is None:
+        service.speculative.pop(plugin, None)
+    else:
+        service.speculative[plugin] = store
+    return store
 
 
 def remember(

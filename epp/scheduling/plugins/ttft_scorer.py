@@ -152,9 +152,7 @@ def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
     kv = handle.services.get(KV_KEY) if params.cache_credit else None
     if kv is not None and not isinstance(kv, KvIndexService):
         raise PluginParamsError("type", "the KV index service is not a KvIndexService")
-    speculative = speculative_blocks(params.speculative_ttl)  # (checked even without the index)
-    if kv is None:
-        speculative = None
+    speculative = speculative_blocks(params.speculative_ttl, name, kv)  # (checked even without the index)
     return TtftScorer(name, cost, kv, params.tie_band, params.tie_band_seconds, speculative)
 
 
