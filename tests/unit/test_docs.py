@@ -301,6 +301,8 @@ def test_plugin_parameters_are_read_with_their_yaml_names() -> None:
         "tieBandSeconds",
         "cacheCredit",
         "speculativeTtl",
+        "tieBreak",
+        "copyWeight",
     }  # camelCase, as in YAML
 
 

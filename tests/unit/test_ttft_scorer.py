@@ -335,6 +335,9 @@ def test_a_request_right_behind_one_with_its_prompt_is_estimated_hitting_where_t
         ({"tieBandSeconds": 11}, "tieBandSeconds"),
         ({"speculativeTtl": "later"}, "speculativeTtl"),
         ({"speculativeTtl": -1}, "speculativeTtl"),
+        ({"tieBreak": "lowest"}, "tieBreak"),
+        ({"copyWeight": -1}, "copyWeight"),
+        ({"copyWeight": 101}, "copyWeight"),
     ],
 )
 def test_bad_band_parameters_name_the_field(params: dict[str, object], field: str) -> None:
@@ -397,6 +400,51 @@ def test_among_near_ties_the_pods_holding_the_prompt_win_and_equals_stay_random(
     # without the holder, b and c tie at 1 and the picker spreads between them
     scores, _ = score(scorer, token_request(prompt), others)
     assert scores[:2] == [1.0, 1.0] and scores[2] < 1.0
+
+
+def test_among_near_ties_the_lowest_kv_usage_wins_and_random_keeps_them_equal() -> None:
+    """Near-ties equal in what they hold: the one with the most free KV wins (`tieBreak: kv-usage`, the
+    default), equal usage still ties (a burst spreads), and every near-tie stays above the band's others;
+    `tieBreak: random` leaves them all at 1."""
+    eps, times = _near_ties()
+    usage = [0.6, 0.2, 0.2, 0.0]  # d (outside the band) the emptiest: it still loses
+    eps = [endpoint(e.id, backlog=e.prefill_backlog, kv_usage=u) for e, u in zip(eps, usage, strict=True)]
+    request = token_request(list(range(4096)))
+    scores, st = score(make_scorer(), request, eps)
+    assert scores[1] == scores[2] > scores[0] > scores[3]
+    assert scores[3] == pytest.approx(times[0] / times[3])
+    assert list(st.data[ESTIMATES].ttft) == pytest.approx(times)  # the estimates themselves do not change
+    scores, _ = score(make_scorer(params={"tieBreak": "random"}), request, eps)
+    assert scores[:3] == [1.0, 1.0, 1.0]
+
+
+def test_copying_a_held_prefix_costs_more_as_the_candidates_kv_fills() -> None:
+    """An idle pod faster than the holder of a 4K-token prompt by more than the band wins while KV is
+    plentiful; at 90% KV usage the copy of the prefix it would make is charged (prefill of the copied part
+    x copyWeight x u / (1 - u)) and the holder wins. `copyWeight: 0` never charges it. The estimates, and
+    the fastest one admission reads, stay the request's own TTFT."""
+    svc = kv_service()
+    n = 4096
+    prompt = list(range(n))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    fresh(svc, "b:1")
+    backlog = P.work(6000, 0)  # a's queue: its estimate ~1.4x b's, outside the 5% band
+
+    def pick(usage: float, params: dict[str, object] | None = None) -> tuple[list[float], CycleState]:
+        eps = [endpoint("a:1", backlog=backlog, kv_usage=usage), endpoint("b:1", kv_usage=usage)]
+        return score(make_scorer({KV_KEY: svc}, params), token_request(prompt), eps)
+
+    low, st_low = pick(0.0)
+    table = st_low.data[ESTIMATES]
+    assert table.cached[0] == n - 16 and table.cached[1] == 0
+    assert table.ttft[0] > 1.1 * table.ttft[1]
+    assert low[1] == 1.0 > low[0]
+    high, st_high = pick(0.9)
+    assert high[0] == 1.0 > high[1]
+    assert list(st_high.data[ESTIMATES].ttft) == pytest.approx(list(table.ttft))
+    assert st_high.data[FASTEST] == pytest.approx(float(table.ttft[1]))
+    off, _ = pick(0.9, {"copyWeight": 0})
+    assert off[1] == 1.0 > off[0]
 
 
 def test_default_profile_cpu_tier_beats_recompute_for_a_long_prompt_not_a_short_one() -> None:

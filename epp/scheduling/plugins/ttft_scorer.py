@@ -4,10 +4,20 @@ For every candidate: estimated TTFT = queue wait + prefill of the uncached part 
 blocks held only on slower tiers (or their recomputation, whichever is cheaper) + decode
 interference (`epp.costmodel.estimate`). The score is `best / ttft` (1.0 for the fastest);
 candidates within the tie band of the fastest (`tieBand` x best, at least `tieBandSeconds`)
-all score 1.0, so the picker spreads near-ties at random (seeded) instead of herding a burst
-onto one pod; except that near-ties holding less of the prompt than the others score just below
-1.0 (above every pod outside the band): among near-ties the pods holding the most of the prompt
-win, since they add less prefill work and copy no prefix into another pod's KV.
+are near-ties and score above every other pod. Among near-ties, the pods holding the most of the
+prompt win (they add less prefill work and copy no prefix into another pod's KV); then, with
+`tieBreak: kv-usage` (the default), the pod with the lowest KV usage, as the reference EPP's
+kv-cache-utilization scorer balances KV; near-ties equal in both are picked at random (seeded), so
+a burst is not herded onto one pod (`tieBreak: random`: every near-tie alike).
+
+Prefix copies (`copyWeight`, default 2; 0 turns it off). A pod that would have to compute a prefix
+another candidate already holds copies it into its KV, and every copy is KV that later requests
+cannot use. That costs little while KV is plentiful and a great deal when the cluster's KV is
+nearly full (requests then wait for blocks to free, for as long as decodes take). So for scoring
+only, such a pod is charged the prefill the copy adds x `copyWeight` x u / (1 - u), u the mean KV
+usage of the candidates (at most 0.99): nothing at u = 0, the copy's prefill once at u = 1/3 (with
+the default weight), 18x at u = 0.9. The estimates themselves (explanations, admission, the
+fastest estimate) stay the request's own TTFT.
 
 Cache credit comes from the KV index when this EPP has one, for pods whose index is not
 stale, the way an engine uses its tiers: the consecutive prefix of the prompt on GPU, then the
@@ -31,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from epp.costmodel.estimate import F64
+from epp.costmodel.estimate import F64, EstimateTable
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.kvindex.service import SERVICE_KEY as KV_KEY
@@ -44,12 +54,17 @@ from epp.scheduling.plugins.speculation import remember, speculative_blocks
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
+_TIE_STEP = 0.01  # near-ties' scores step down by this x KV usage: they stay above the band's others
+_MAX_USAGE = 0.99
+
 
 class TtftParams(Params):
     tie_band: float = 0.05
     tie_band_seconds: float = 0.002
     cache_credit: bool = True
     speculative_ttl: str | float = "2s"  # 0: off
+    tie_break: str = "kv-usage"  # or "random"
+    copy_weight: float = 2.0  # 0: off
 
 
 class TtftScorer:
@@ -61,8 +76,12 @@ class TtftScorer:
         band: float,
         band_s: float,
         speculative: SpeculativeBlocks | None = None,
+        copy_weight: float = 0.0,
+        kv_tie_break: bool = False,
     ) -> None:
         self._name = name
+        self.copy_weight = copy_weight
+        self.kv_tie_break = kv_tie_break
         self.cost = cost
         self.kv = kv
         self.band = band
@@ -119,24 +138,46 @@ class TtftScorer:
         tokens, held = self._held(state, request, endpoints)
         bs = self.kv.block_size if self.kv is not None else 1
         table = self.cost.estimate_all(request.model, endpoints, tokens, held, bs)
-        times = table.ttft
-        best = float(times.min())
         state.data[ESTIMATES] = table
-        state.data[FASTEST] = best
+        state.data[FASTEST] = float(table.ttft.min())
+        times = table.ttft
+        if self.copy_weight > 0 and len(endpoints) > 1:
+            times = times + self._copy_cost(table, endpoints)
+        best = float(times.min())
         cut = best + max(best * self.band, self.band_s)
         tied = times <= cut
         plain = best / times
         top: float | F64 = 1.0
-        cached = table.cached
         if tied.sum() > 1:
+            cached = table.cached
             most = float(cached[tied].max())
             if most > float(cached[tied].min()):
                 # Near-ties holding less of the prompt than the others: above every pod outside the band,
                 # below the ones holding the most (they add less prefill and copy no prefix).
                 second = (1.0 + float(plain[~tied].max(initial=0.0))) / 2.0
                 top = np.where(cached >= most, 1.0, second)
+            if self.kv_tie_break:  # then the one with the most free KV (equal usage: still a random pick)
+                top = top - _TIE_STEP * _kv_usage(endpoints)
         scores: list[float] = np.where(tied, top, plain).tolist()
         return scores
+
+    def _copy_cost(self, table: EstimateTable, endpoints: Sequence[Endpoint]) -> F64:
+        """Seconds charged to candidates that would copy into their KV a prefix another candidate holds:
+        the prefill the copy adds x `copyWeight` x u / (1 - u), u the candidates' mean KV usage (at most
+        0.99). Zero while no candidate holds any of the prompt or no KV is in use."""
+        cached = table.cached
+        j = int(np.argmax(cached))
+        scraped = [e.metrics.kv_usage for e in endpoints if e.metrics is not None]
+        u = min(sum(scraped) / len(scraped), _MAX_USAGE) if scraped else 0.0
+        if cached[j] <= 0 or u <= 0:
+            return np.zeros(len(endpoints))
+        extra = np.maximum(table.prefill_nominal - table.prefill_nominal[j], 0.0)
+        return extra * (self.copy_weight * u / (1.0 - u))  # type: ignore[no-any-return]
+
+
+def _kv_usage(endpoints: Sequence[Endpoint]) -> F64:
+    """Each candidate's KV cache usage from its last scrape (0 without metrics)."""
+    return np.array([e.metrics.kv_usage if e.metrics is not None else 0.0 for e in endpoints])
 
 
 def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
@@ -144,6 +185,10 @@ def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
         raise PluginParamsError("tieBand", f"must be in [0, 1], got {params.tie_band}")
     if not 0.0 <= params.tie_band_seconds <= 10.0:
         raise PluginParamsError("tieBandSeconds", f"must be in [0, 10], got {params.tie_band_seconds}")
+    if params.tie_break not in ("kv-usage", "random"):
+        raise PluginParamsError("tieBreak", f"must be 'kv-usage' or 'random', got {params.tie_break!r}")
+    if not 0.0 <= params.copy_weight <= 100.0:
+        raise PluginParamsError("copyWeight", f"must be in [0, 100], got {params.copy_weight}")
     cost = handle.services.get(COST_KEY)
     if cost is None:
         cost = CostModel()
@@ -153,7 +198,16 @@ def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
     if kv is not None and not isinstance(kv, KvIndexService):
         raise PluginParamsError("type", "the KV index service is not a KvIndexService")
     speculative = speculative_blocks(params.speculative_ttl, name, kv)  # (checked even without the index)
-    return TtftScorer(name, cost, kv, params.tie_band, params.tie_band_seconds, speculative)
+    return TtftScorer(
+        name,
+        cost,
+        kv,
+        params.tie_band,
+        params.tie_band_seconds,
+        speculative,
+        params.copy_weight,
+        params.tie_break == "kv-usage",
+    )
 
 
 SPEC = PluginSpec(
