@@ -139,17 +139,22 @@ class TtftScorer:
         bs = self.kv.block_size if self.kv is not None else 1
         table = self.cost.estimate_all(request.model, endpoints, tokens, held, bs)
         state.data[ESTIMATES] = table
-        state.data[FASTEST] = float(table.ttft.min())
         times = table.ttft
-        if self.copy_weight > 0 and len(endpoints) > 1:
-            times = times + self._copy_cost(table, endpoints)
         best = float(times.min())
+        state.data[FASTEST] = best
+        cached = table.cached
+        usage: F64 | None = None  # each candidate's KV usage, -1 without metrics (read once, if needed)
+        if self.copy_weight > 0 and len(endpoints) > 1 and cached.max() > 0:
+            usage = _kv_usage(endpoints)
+            copy = self._copy_cost(table, usage)
+            if copy is not None:
+                times = times + copy
+                best = float(times.min())
         cut = best + max(best * self.band, self.band_s)
         tied = times <= cut
         plain = best / times
         top: float | F64 = 1.0
         if tied.sum() > 1:
-            cached = table.cached
             most = float(cached[tied].max())
             if most > float(cached[tied].min()):
                 # Near-ties holding less of the prompt than the others: above every pod outside the band,
@@ -157,27 +162,27 @@ class TtftScorer:
                 second = (1.0 + float(plain[~tied].max(initial=0.0))) / 2.0
                 top = np.where(cached >= most, 1.0, second)
             if self.kv_tie_break:  # then the one with the most free KV (equal usage: still a random pick)
-                top = top - _TIE_STEP * _kv_usage(endpoints)
+                usage = _kv_usage(endpoints) if usage is None else usage
+                top = top - _TIE_STEP * np.maximum(usage, 0.0)
         scores: list[float] = np.where(tied, top, plain).tolist()
         return scores
 
-    def _copy_cost(self, table: EstimateTable, endpoints: Sequence[Endpoint]) -> F64:
+    def _copy_cost(self, table: EstimateTable, usage: F64) -> F64 | None:
         """Seconds charged to candidates that would copy into their KV a prefix another candidate holds:
-        the prefill the copy adds x `copyWeight` x u / (1 - u), u the candidates' mean KV usage (at most
-        0.99). Zero while no candidate holds any of the prompt or no KV is in use."""
-        cached = table.cached
-        j = int(np.argmax(cached))
-        scraped = [e.metrics.kv_usage for e in endpoints if e.metrics is not None]
-        u = min(sum(scraped) / len(scraped), _MAX_USAGE) if scraped else 0.0
-        if cached[j] <= 0 or u <= 0:
-            return np.zeros(len(endpoints))
-        extra = np.maximum(table.prefill_nominal - table.prefill_nominal[j], 0.0)
+        the prefill the copy adds x `copyWeight` x u / (1 - u), u the mean KV usage of the candidates with
+        metrics (at most 0.99); None (nothing) while no KV is in use."""
+        scraped = usage[usage >= 0.0]
+        u = min(float(scraped.mean()), _MAX_USAGE) if len(scraped) else 0.0
+        if u <= 0:
+            return None
+        nominal = table.prefill_nominal
+        extra = np.maximum(nominal - nominal[int(np.argmax(table.cached))], 0.0)
         return extra * (self.copy_weight * u / (1.0 - u))  # type: ignore[no-any-return]
 
 
 def _kv_usage(endpoints: Sequence[Endpoint]) -> F64:
-    """Each candidate's KV cache usage from its last scrape (0 without metrics)."""
-    return np.array([e.metrics.kv_usage if e.metrics is not None else 0.0 for e in endpoints])
+    """Each candidate's KV cache usage from its last scrape; -1 without metrics."""
+    return np.array([e.metrics.kv_usage if e.metrics is not None else -1.0 for e in endpoints])
 
 
 def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
