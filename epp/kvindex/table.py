@@ -38,13 +38,13 @@ _TWO64: Final = 1 << 64
 _I64MAX: Final = (1 << 63) - 1
 
 
-def filled(n: int, dtype: type[np.generic] | np.dtype[Any], value: int) -> Array:
+def filled(n: int, dtype: type[np.generic], value: int) -> Array:
     """An array of n `value`s. Large ones live in their own anonymous memory mapping, so that the
     memory returns to the OS as soon as the array is dropped (a table that grows frees its old arrays;
     from malloc's heap they would stay resident as fragments)."""
     size = n * np.dtype(dtype).itemsize
     if size < _MMAP_BYTES:
-        return np.full(n, value, dtype=dtype) if value else np.zeros(n, dtype=dtype)
+        return np.full(n, value, dtype=dtype)
     mem = mmap.mmap(-1, size)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mem.madvise(mmap.MADV_HUGEPAGE)  # random access: fewer TLB misses
@@ -83,8 +83,7 @@ class HashTable:
         self.keys: npt.NDArray[np.uint64] = filled(cap, np.uint64, 0)
         self.tags: Array = filled(cap, self.tag_dtype.type, self.empty_tag)
         self.count: npt.NDArray[np.uint8] = filled(buckets, np.uint8, 0)
-        self.rows = self._new_rows(cap)
-        self.cols: dict[str, Array] = {n: self.rows[n] for n in self.specs}
+        self.cols: dict[str, Array] = {n: filled(cap, t, d) for n, (t, d) in self.specs.items()}
         self._scratch: npt.NDArray[np.int32] = filled(buckets, np.int32, 0)  # one winner per bucket
         self.size = 0
 
@@ -93,7 +92,12 @@ class HashTable:
         return self.nb * BUCKET
 
     def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.tags.nbytes + self.count.nbytes + self.rows.nbytes)
+        return int(
+            self.keys.nbytes
+            + self.tags.nbytes
+            + self.count.nbytes
+            + sum(c.nbytes for c in self.cols.values())
+        )
 
     def room(self) -> int:
         """Inserts left before the table reaches its load limit (see Growth)."""
@@ -110,31 +114,8 @@ class HashTable:
         return True
 
     def add_column(self, name: str, dtype: type[np.generic], empty: int) -> None:
-        old = self.rows
         self.specs[name] = (dtype, empty)
-        self.rows = self._new_rows(self.capacity)
-        for n in old.dtype.names or ():
-            self.rows[n] = old[n]
-        self.cols = {n: self.rows[n] for n in self.specs}
-
-    def _new_rows(self, n: int) -> Array:
-        """`n` rows of the payload columns, every column at its empty value. A slot's columns share one
-        row (widest first, padded to the widest's size): reading or writing an item's payload touches one
-        cache line, not one per column, and moving items moves whole rows."""
-        names = sorted(self.specs, key=lambda c: -np.dtype(self.specs[c][0]).itemsize)
-        sizes = [np.dtype(self.specs[c][0]).itemsize for c in names]
-        wide = sizes[0] if sizes else 1
-        offsets = [sum(sizes[:i]) for i in range(len(names))]
-        formats = [self.specs[c][0] for c in names]
-        itemsize = -(-sum(sizes) // wide) * wide
-        dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
-        rows: Array = filled(n, dtype, 0)
-        self._empty_row = np.zeros(1, dtype=dtype)
-        for c in names:
-            if self.specs[c][1]:
-                rows[c] = self.specs[c][1]
-                self._empty_row[c] = self.specs[c][1]
-        return rows
+        self.cols[name] = filled(self.capacity, dtype, empty)
 
     # -- hashing -----------------------------------------------------------------------
     def _pairs(self, keys: npt.NDArray[np.uint64], tags: Array) -> tuple[Index, Index]:
@@ -382,8 +363,8 @@ class HashTable:
             tail,
         )
         src, dest, tail = src[:moves], dest[:moves], tail[:freed]
-        if self.specs:
+        for name, col in self.cols.items():
             if moves:
-                self.rows[dest] = self.rows[src]
-            self.rows[tail] = self._empty_row
+                col[dest] = col[src]
+            col[tail] = self.specs[name][1]
         self.size -= freed

@@ -57,8 +57,8 @@ def relocate(
     dest = valt * BUCKET + used[ok] + rank[ok]
     table.keys[dest] = table.keys[vslot]
     table.tags[dest] = table.tags[vslot]
-    if table.specs:
-        table.rows[dest] = table.rows[vslot]
+    for col in table.cols.values():
+        col[dest] = col[vslot]
     grp, cnt = np.unique(valt, return_counts=True)
     table.count[grp] += cnt.astype(np.uint8)
     items = todo[rows]
@@ -114,11 +114,10 @@ def split(table: HashTable) -> None:
     buckets 2b and 2b + 1 of the new table (bucket numbers are (32-bit hash * buckets) >> 32): each old
     bucket splits into two without overflow (`cuckoo.split_run`). Items whose pair was adjusted (equal
     choices) go last."""
-    old_keys, old_tags, old_count, old_rows, old_cols, old_nb = (
+    old_keys, old_tags, old_count, old_cols, old_nb = (
         table.keys,
         table.tags,
         table.count,
-        table.rows,
         table.cols,
         table.nb,
     )
@@ -134,8 +133,8 @@ def split(table: HashTable) -> None:
             old_keys, old_tags, old_count, old_nb, lo, min(old_nb, lo + step),
             table.keys, table.tags, table.count, src, dest, left,
         )  # fmt: skip
-        if table.specs:
-            table.rows[dest[:moved]] = old_rows[src[:moved]]
+        for name, col in table.cols.items():
+            col[dest[:moved]] = old_cols[name][src[:moved]]
         table.size += moved
         if nleft:
             rest.append(left[:nleft].copy())

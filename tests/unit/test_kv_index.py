@@ -1288,9 +1288,9 @@ def test_hash_table_find_one_reads_every_key_width() -> None:
     assert table.find_one(2, 3) == -1
 
 
-def test_hash_table_added_column_keeps_the_rows_and_starts_empty() -> None:
-    """A slot's columns share one row; adding a column (a new tier) rebuilds the rows: every item keeps its
-    values, the new column holds its empty value, and deleting moves whole rows."""
+def test_hash_table_added_column_keeps_the_items_and_starts_empty() -> None:
+    """Adding a column (a new tier) to a table with items: every item keeps its values, the new column
+    holds its empty value, and deleting moves every column with its items."""
     table = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 7)})
     keys = np.arange(1, 201, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     tags = np.arange(200, dtype=np.uint16) % 5
