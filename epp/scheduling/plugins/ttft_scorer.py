@@ -14,9 +14,9 @@ Prefix copies (`copyWeight`, default 2; 0 turns it off). A pod that would have t
 another candidate already holds copies it into its KV, and every copy is KV that later requests
 cannot use. That costs little while KV is plentiful and a great deal when the cluster's KV is
 nearly full (requests then wait for blocks to free, for as long as decodes take). So for scoring
-only, such a pod is charged the prefill the copy adds x `copyWeight` x u / (1 - u), u the mean KV
-usage of the candidates (at most 0.99): nothing at u = 0, the copy's prefill once at u = 1/3 (with
-the default weight), 18x at u = 0.9. The estimates themselves (explanations, admission, the
+only, such a pod is charged the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u the
+mean KV usage of the candidates: nothing at u = 0, the copy's prefill once at u = 1/3 (with the
+default weight), 4x from u = 2/3 on. The estimates themselves (explanations, admission, the
 fastest estimate) stay the request's own TTFT.
 
 Cache credit comes from the KV index when this EPP has one, for pods whose index is not
@@ -56,6 +56,7 @@ from epp.types import Endpoint, EndpointId, InferenceRequest
 
 _TIE_STEP = 0.01  # near-ties' scores step down by this x KV usage: they stay above the band's others
 _MAX_USAGE = 0.99
+_MAX_PRESSURE = 2.0  # u / (1 - u) reaches it at u = 2/3: past that, every copy costs the same
 
 
 class TtftParams(Params):
@@ -169,15 +170,15 @@ class TtftScorer:
 
     def _copy_cost(self, table: EstimateTable, usage: F64) -> F64 | None:
         """Seconds charged to candidates that would copy into their KV a prefix another candidate holds:
-        the prefill the copy adds x `copyWeight` x u / (1 - u), u the mean KV usage of the candidates with
-        metrics (at most 0.99); None (nothing) while no KV is in use."""
+        the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u the mean KV usage of the
+        candidates with metrics; None (nothing) while no KV is in use."""
         scraped = usage[usage >= 0.0]
         u = min(float(scraped.mean()), _MAX_USAGE) if len(scraped) else 0.0
         if u <= 0:
             return None
         nominal = table.prefill_nominal
         extra = np.maximum(nominal - nominal[int(np.argmax(table.cached))], 0.0)
-        return extra * (self.copy_weight * u / (1.0 - u))  # type: ignore[no-any-return]
+        return extra * (self.copy_weight * min(u / (1.0 - u), _MAX_PRESSURE))  # type: ignore[no-any-return]
 
 
 def _kv_usage(endpoints: Sequence[Endpoint]) -> F64:
