@@ -55,8 +55,8 @@ from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
 _TIE_STEP = 0.01  # near-ties' scores step down by this x KV usage: they stay above the band's others
-_MAX_USAGE = 0.99
 _MAX_PRESSURE = 2.0  # u / (1 - u) reaches it at u = 2/3: past that, every copy costs the same
+_FULL_PRESSURE_AT = _MAX_PRESSURE / (1.0 + _MAX_PRESSURE)
 
 
 class TtftParams(Params):
@@ -173,12 +173,13 @@ class TtftScorer:
         the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u the mean KV usage of the
         candidates with metrics; None (nothing) while no KV is in use."""
         scraped = usage[usage >= 0.0]
-        u = min(float(scraped.mean()), _MAX_USAGE) if len(scraped) else 0.0
+        u = float(scraped.mean()) if len(scraped) else 0.0
         if u <= 0:
             return None
+        pressure = _MAX_PRESSURE if u >= _FULL_PRESSURE_AT else u / (1.0 - u)
         nominal = table.prefill_nominal
         extra = np.maximum(nominal - nominal[int(np.argmax(table.cached))], 0.0)
-        return extra * (self.copy_weight * min(u / (1.0 - u), _MAX_PRESSURE))  # type: ignore[no-any-return]
+        return extra * (self.copy_weight * pressure)  # type: ignore[no-any-return]
 
 
 def _kv_usage(endpoints: Sequence[Endpoint]) -> F64:
