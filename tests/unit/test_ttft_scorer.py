@@ -418,11 +418,12 @@ def test_among_near_ties_the_lowest_kv_usage_wins_and_random_keeps_them_equal() 
     assert scores[:3] == [1.0, 1.0, 1.0]
 
 
-def test_copying_a_held_prefix_costs_more_as_the_candidates_kv_fills() -> None:
-    """An idle pod faster than the holder of a 4K-token prompt by more than the band wins while KV is
+def test_copying_a_held_prefix_costs_more_as_the_target_pods_kv_fills() -> None:
+    """An idle pod faster than the holder of a 4K-token prompt by more than the band wins while its KV is
     plentiful; at 90% KV usage the copy of the prefix it would make is charged (prefill of the copied part
-    x copyWeight x u / (1 - u)) and the holder wins. `copyWeight: 0` never charges it. The estimates, and
-    the fastest one admission reads, stay the request's own TTFT."""
+    x copyWeight x min(u / (1 - u), 2), u its usage) and the holder wins. The charge is the target's: a
+    full holder does not make a copy into an empty pod cost anything. `copyWeight: 0` never charges it.
+    The estimates, and the fastest one admission reads, stay the request's own TTFT."""
     svc = kv_service()
     n = 4096
     prompt = list(range(n))
@@ -430,8 +431,11 @@ def test_copying_a_held_prefix_costs_more_as_the_candidates_kv_fills() -> None:
     fresh(svc, "b:1")
     backlog = P.work(6000, 0)  # a's queue: its estimate ~1.4x b's, outside the 5% band
 
-    def pick(usage: float, params: dict[str, object] | None = None) -> tuple[list[float], CycleState]:
-        eps = [endpoint("a:1", backlog=backlog, kv_usage=usage), endpoint("b:1", kv_usage=usage)]
+    def pick(
+        usage: float, params: dict[str, object] | None = None, holder: float | None = None
+    ) -> tuple[list[float], CycleState]:
+        a_usage = usage if holder is None else holder
+        eps = [endpoint("a:1", backlog=backlog, kv_usage=a_usage), endpoint("b:1", kv_usage=usage)]
         return score(make_scorer({KV_KEY: svc}, params), token_request(prompt), eps)
 
     low, st_low = pick(0.0)
@@ -445,6 +449,8 @@ def test_copying_a_held_prefix_costs_more_as_the_candidates_kv_fills() -> None:
     assert st_high.data[FASTEST] == pytest.approx(float(table.ttft[1]))
     off, _ = pick(0.9, {"copyWeight": 0})
     assert off[1] == 1.0 > off[0]
+    empty_target, _ = pick(0.0, holder=0.95)
+    assert empty_target[1] == 1.0 > empty_target[0]
 
 
 def test_default_profile_cpu_tier_beats_recompute_for_a_long_prompt_not_a_short_one() -> None:

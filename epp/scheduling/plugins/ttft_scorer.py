@@ -14,10 +14,10 @@ Prefix copies (`copyWeight`, default 2; 0 turns it off). A pod that would have t
 another candidate already holds copies it into its KV, and every copy is KV that later requests
 cannot use. That costs little while KV is plentiful and a great deal when the cluster's KV is
 nearly full (requests then wait for blocks to free, for as long as decodes take). So for scoring
-only, such a pod is charged the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u the
-mean KV usage of the candidates: nothing at u = 0, the copy's prefill once at u = 1/3 (with the
-default weight), 4x from u = 2/3 on. The estimates themselves (explanations, admission, the
-fastest estimate) stay the request's own TTFT.
+only, such a pod is charged the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u that
+pod's KV usage: nothing for an empty pod, the copy's prefill once at u = 1/3 (with the default
+weight), 4x from u = 2/3 on. The estimates themselves (explanations, admission, the fastest
+estimate) stay the request's own TTFT.
 
 Cache credit comes from the KV index when this EPP has one, for pods whose index is not
 stale, the way an engine uses its tiers: the consecutive prefix of the prompt on GPU, then the
@@ -170,16 +170,14 @@ class TtftScorer:
 
     def _copy_cost(self, table: EstimateTable, usage: F64) -> F64 | None:
         """Seconds charged to candidates that would copy into their KV a prefix another candidate holds:
-        the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u the mean KV usage of the
-        candidates with metrics; None (nothing) while no KV is in use."""
-        scraped = usage[usage >= 0.0]
-        u = float(scraped.mean()) if len(scraped) else 0.0
-        if u <= 0:
+        the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u the KV usage of the pod the copy
+        would go to (0 without metrics); None (nothing) while no candidate's KV is in use."""
+        own = np.clip(usage, 0.0, _FULL_PRESSURE_AT)
+        if not own.any():
             return None
-        pressure = _MAX_PRESSURE if u >= _FULL_PRESSURE_AT else u / (1.0 - u)
         nominal = table.prefill_nominal
         extra = np.maximum(nominal - nominal[int(np.argmax(table.cached))], 0.0)
-        return extra * (self.copy_weight * pressure)  # type: ignore[no-any-return]
+        return extra * (self.copy_weight * own / (1.0 - own))  # type: ignore[no-any-return]
 
 
 def _kv_usage(endpoints: Sequence[Endpoint]) -> F64:
