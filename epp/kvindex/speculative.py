@@ -53,7 +53,7 @@ class SpeculativeBlocks:
         self._age(now)
         if len(keys) == 0:
             return
-        ks = keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]
+        ks = _as_list(keys)
         if len(ks) > self.max_entries:
             ks = ks[: self.max_entries]  # a prefix stays prefix-closed
         if self.size() + len(ks) > self.max_entries:
@@ -81,7 +81,7 @@ class SpeculativeBlocks:
             if not cur and not prev:
                 continue
             if ks is None:
-                ks = keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]
+                ks = _as_list(keys)
             if not _held(cur, prev, ks[0], now):
                 continue  # the common cases first: nothing, or everything
             if _held(cur, prev, ks[-1], now):
@@ -117,3 +117,10 @@ def _held(cur: dict[int, float] | None, prev: dict[int, float] | None, key: int,
     if expires is None and prev:
         expires = prev.get(key)
     return expires is not None and expires > now
+
+
+def _as_list(keys: Keys) -> list[int]:
+    """Keys as a list of ints: a list as it is (not copied: it is only read), an array converted."""
+    if isinstance(keys, list):
+        return keys
+    return keys.tolist() if isinstance(keys, np.ndarray) else [int(k) for k in keys]

@@ -22,7 +22,7 @@ from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.scheduling.framework import CycleState, PluginHandle
 from epp.scheduling.plugins.cache_mode import creditable, load_only
-from epp.scheduling.plugins.prompt_keys import prompt_keys
+from epp.scheduling.plugins.prompt_keys import prompt_key_list, prompt_keys
 from epp.scheduling.plugins.speculation import remember, speculative_blocks
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
 from epp.types import Endpoint, EndpointId, InferenceRequest
@@ -69,7 +69,7 @@ class PrecisePrefixCacheScorer:
         held = self.service.index.lookup_weighted(keys, pods, self.weights, self.unknown)
         if self.speculative is not None:
             gpu = self.weights.get("gpu", self.unknown)
-            for pod, blocks in self.speculative.prefix(keys, pods, state.now).items():
+            for pod, blocks in self.speculative.prefix(prompt_key_list(state, keys), pods, state.now).items():
                 if blocks * gpu > held.get(pod, 0.0):
                     held[pod] = blocks * gpu
         return [held.get(e.id, 0.0) / n for e in endpoints]

@@ -9,6 +9,7 @@ from epp.scheduling.framework import CycleState
 from epp.types import InferenceRequest
 
 KEYS = "prompt_block_keys"
+KEY_LIST = "prompt_block_key_list"
 TOKENS = "prompt_tokens"
 
 
@@ -26,3 +27,13 @@ def prompt_info(
 
 def prompt_keys(state: CycleState, request: InferenceRequest, service: KvIndexService) -> np.ndarray | None:
     return prompt_info(state, request, service)[1]
+
+
+def prompt_key_list(state: CycleState, keys: np.ndarray) -> list[int]:
+    """The cycle's prompt keys (`keys`, from `prompt_info`) as Python ints, converted once per cycle: the
+    speculative store reads them when scoring and again when the pick is remembered."""
+    data = state.data
+    ks: list[int] | None = data.get(KEY_LIST)
+    if ks is None:
+        ks = data[KEY_LIST] = keys.tolist()
+    return ks

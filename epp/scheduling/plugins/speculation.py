@@ -7,7 +7,7 @@ from epp.durations import parse_duration
 from epp.kvindex.service import KvIndexService
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.scheduling.framework import CycleState
-from epp.scheduling.plugins.prompt_keys import prompt_keys
+from epp.scheduling.plugins.prompt_keys import prompt_key_list, prompt_keys
 from epp.scheduling.registry import PluginParamsError
 from epp.types import EndpointId, InferenceRequest
 
@@ -45,4 +45,4 @@ def remember(
         return
     keys = prompt_keys(state, request, service)
     if keys is not None and len(keys):
-        store.add(endpoint, keys, state.now)
+        store.add(endpoint, prompt_key_list(state, keys), state.now)

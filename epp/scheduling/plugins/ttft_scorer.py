@@ -49,7 +49,7 @@ from epp.kvindex.service import KvIndexService
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.scheduling.framework import ESTIMATES, FASTEST, CycleState, PluginHandle
 from epp.scheduling.plugins.cache_mode import creditable, load_only
-from epp.scheduling.plugins.prompt_keys import prompt_info
+from epp.scheduling.plugins.prompt_keys import prompt_info, prompt_key_list
 from epp.scheduling.plugins.speculation import remember, speculative_blocks
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
 from epp.types import Endpoint, EndpointId, InferenceRequest
@@ -118,7 +118,7 @@ class TtftScorer:
             runs = np.zeros((len(order), len(endpoints)), dtype=np.int64)
             runs[:, [at[p] for p in pods]] = kv.index.lookup_tier_runs(keys, pods, order)
         if self.speculative is not None:  # (each row is a union of tiers that includes the GPU)
-            for pod, blocks in self.speculative.prefix(keys, pods, state.now).items():
+            for pod, blocks in self.speculative.prefix(prompt_key_list(state, keys), pods, state.now).items():
                 np.maximum(runs[:, at[pod]], blocks, out=runs[:, at[pod]])
         bs = kv.block_size
         out: dict[str, F64] = {}
