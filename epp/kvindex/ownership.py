@@ -25,7 +25,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex.cuckoo import find_one, place
+from epp.kvindex.cuckoo import BUCKET, _pair, find_one, place
+from epp.kvindex.prefetch import AHEAD, prefetch
 from epp.kvindex.rolling import fmix
 
 if TYPE_CHECKING:
@@ -192,7 +193,23 @@ def add_units(  # pragma: no cover - compiled
     used: Any = 0
     created = 0
     inserted = 0
-    for i in range(slots.shape[0]):
+    n = slots.shape[0]
+    for i in range(n):
+        if i + 2 * AHEAD < n:  # the record a few items on: its state (for its key), info and stamp
+            s = slots[i + 2 * AHEAD]
+            prefetch(state, s)
+            prefetch(info, s)
+            prefetch(stamps[tiers[i + 2 * AHEAD]], s)
+        if i + AHEAD < n:  # the blocks buckets its key probes, and their masks (its state is loaded)
+            s = slots[i + AHEAD]
+            b1, b2 = _pair(fmix(state[s]), np.int64(rtags[s]) >> 5, nb)
+            prefetch(bcount, b1)
+            prefetch(bcount, b2)
+            prefetch(bkeys, b1 * BUCKET)
+            prefetch(bkeys, b2 * BUCKET)
+            m = masks[tiers[i + AHEAD]]
+            prefetch(m, b1 * BUCKET)
+            prefetch(m, b2 * BUCKET)
         s = slots[i]
         t = tiers[i]
         stamps[t][s] = stamp_of[i]
