@@ -167,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--kv-events-port", type=_port, help="per-pod: the engines' publisher port (default 5557)")
     s.add_argument("--kv-events-bind", help="central: where to bind, e.g. tcp://*:5557")
-    s.add_argument("--kv-events-replay-port", type=_port, help="per-pod: the engines' replay (ROUTER) port")
+    s.add_argument(
+        "--kv-events-replay-port",
+        type=_port,
+        help="the engines' replay (ROUTER) port, in both modes (+ dp rank)",
+    )
     s.add_argument(
         "--tokenizer",
         action="append",

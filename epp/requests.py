@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from epp.types import ApiKind, InferenceRequest
+from epp.types import ApiKind, ChatOptions, InferenceRequest
 
 HEADERS_OF_INTEREST = (
     "x-request-id",
@@ -111,6 +111,48 @@ def parse_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return doc
 
 
+_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "documents",
+    "chat_template_kwargs",
+)
+
+
+def _chat_options(body: Mapping[str, Any]) -> ChatOptions | None:
+    """The fields of a chat request that change the rendered prompt, checked as vLLM checks them; None
+    when none is set."""
+    if not any(body.get(k) is not None for k in _CHAT_FIELDS):
+        return None
+    flags = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(name, default)
+        if value is None:
+            value = default
+        if not isinstance(value, bool):
+            raise bad_request(f"'{name}' must be a boolean")
+        flags[name] = value
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    lists = {}
+    for name in ("tools", "documents"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(x, dict) for x in value)):
+            raise bad_request(f"'{name}' must be a list of objects")
+        lists[name] = value or None
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object")
+    return ChatOptions(
+        add_generation_prompt=flags["add_generation_prompt"],
+        continue_final_message=flags["continue_final_message"],
+        tools=lists["tools"],
+        documents=lists["documents"],
+        chat_template_kwargs=kwargs or None,
+    )
+
+
 def build_request(
     headers: Mapping[str, str],
     body: dict[str, Any] | None,
@@ -132,8 +174,10 @@ def build_request(
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     tokens = 0
+    chat: ChatOptions | None = None
     if "messages" in body or kind is ApiKind.CHAT_COMPLETIONS:
         messages, tokens = _check_messages(body.get("messages"))
+        chat = _chat_options(body)
     elif "prompt" in body:
         prompt, tokens = _check_prompt(body["prompt"])
     elif kind in (ApiKind.EMBEDDINGS, ApiKind.RESPONSES) and "input" in body:
@@ -168,4 +212,5 @@ def build_request(
         body_bytes=body_bytes,
         prompt_tokens_estimate=tokens,
         cache_salt=cache_salt,
+        chat=chat,
     )

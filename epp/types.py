@@ -185,6 +185,18 @@ def metrics_snapshot(
 
 
 @dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """The chat-completions fields that change the prompt an engine renders from `messages` (vLLM's names
+    and defaults): the EPP renders the same text, so the prompt's block keys are the engine's."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Sequence[Mapping[str, Any]] | None = None
+    documents: Sequence[Mapping[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceRequest:
     """One OpenAI-style request, parsed once at the edge."""
 
@@ -201,6 +213,7 @@ class InferenceRequest:
     body_bytes: int = 0
     prompt_tokens_estimate: int = 0
     cache_salt: str | None = None
+    chat: ChatOptions | None = None  # None: the defaults
 
     @property
     def sheddable(self) -> bool:

@@ -35,8 +35,8 @@ REMOVED: Final = 1
 CLEARED: Final = 2
 # columns of an event's row; a string is (offset in the payload, length), length -1 for nil
 KIND, H_AT, H_N, PARENT, HAS_PARENT, T_AT, T_N, BLOCK_SIZE, MEDIUM_AT, MEDIUM_N, LORA_AT, LORA_N = range(12)
-SPEC_AT, SPEC_N = 12, 13
-ROW: Final = 14
+SPEC_AT, SPEC_N, GROUP = 12, 13, 14  # GROUP: group_idx, -1 for nil
+ROW: Final = 15
 
 _NAMES: Final = (
     "type",  # 0
@@ -228,10 +228,14 @@ def _field(  # pragma: no cover - compiled
             return _BAD, nh, nt
         row[BLOCK_SIZE] = np.int64(v)
         return q, nh, nt
-    if f == 5 or f == 9 or f == 11:  # lora_id, group_idx, sliding window: nil or an int, not used
+    if f == 5 or f == 9 or f == 11:  # lora_id, group_idx, sliding window: nil or an int; group_idx kept
         if p < end and buf[p] == 0xC0:
             return p + 1, nh, nt
         kind, v, q = _int(buf, p, end)
+        if f == 9:
+            if kind != 1 or np.int64(v) < 0:
+                return _BAD, nh, nt  # (a negative or huge group: decode_batch reads it)
+            row[GROUP] = np.int64(v)
         return (q if kind else _BAD), nh, nt
     if f == 6 or f == 7 or f == 10:  # medium, lora_name, kv_cache_spec_kind: nil or a str
         at, n, q = _str(buf, p, end)
@@ -266,6 +270,7 @@ def _event(  # pragma: no cover - compiled
     row[MEDIUM_N] = -1
     row[LORA_N] = -1
     row[SPEC_N] = -1
+    row[GROUP] = -1
     if p >= end:
         return _BAD, nh, nt
     if 0x80 <= buf[p] <= 0x8F or buf[p] == 0xDE or buf[p] == 0xDF:
@@ -324,9 +329,10 @@ def _same(buf: Any, a: Any, b: Any, col: int) -> bool:  # pragma: no cover - com
 
 @numba.njit(cache=True, nogil=True)
 def _group(buf: Any, rows: Any, n: int, runs: Any) -> int:  # pragma: no cover - compiled
-    """Runs of consecutive events of one kind with the same medium, lora_name and kv_cache_spec_kind
-    (AllBlocksCleared: one run each) into runs[r] = (kind, first event, end event, first hash, end hash,
-    first token, end token, medium, lora_name, spec of the first event); returns their number."""
+    """Runs of consecutive events of one kind with the same medium, lora_name, kv_cache_spec_kind and
+    group_idx (AllBlocksCleared: one run each) into runs[r] = (kind, first event, end event, first hash,
+    end hash, first token, end token, medium, lora_name, spec, group of the first event); returns their
+    number."""
     r = -1
     for e in range(n):
         row = rows[e]
@@ -338,6 +344,7 @@ def _group(buf: Any, rows: Any, n: int, runs: Any) -> int:  # pragma: no cover -
                 and _same(buf, row, head, MEDIUM_AT)
                 and _same(buf, row, head, LORA_AT)
                 and _same(buf, row, head, SPEC_AT)
+                and row[GROUP] == head[GROUP]
             ):
                 runs[r, 2] = e + 1
                 runs[r, 4] = row[H_AT] + row[H_N]
@@ -353,11 +360,12 @@ def _group(buf: Any, rows: Any, n: int, runs: Any) -> int:  # pragma: no cover -
         runs[r, 5] = row[T_AT]
         runs[r, 6] = row[T_AT] + row[T_N]
         runs[r, 7:13] = row[MEDIUM_AT : SPEC_N + 1]
+        runs[r, 13] = row[GROUP]
     return r + 1
 
 
 _HEAD: Final = 4  # work[:4]: ts's 64 bits, dp rank, 1 if the rank was sent and not nil, events
-_RUN: Final = 13  # a run's columns (`_group`)
+_RUN: Final = 14  # a run's columns (`_group`)
 _EVENT: Final = 4  # per event, after the runs: has parent, hashes, tokens, block size
 
 
@@ -446,8 +454,8 @@ StoredRun = tuple[
 ]
 """(STORED, tier, lora_name, tenant salt, engine hashes, parent hash per event, hashes per event, token ids,
 tokens per event, engine block size per event): consecutive BlockStored with the same tier, model and salt."""
-RemovedRun = tuple[int, str, list[int]]
-"""(REMOVED, tier, engine hashes): consecutive BlockRemoved of one tier."""
+RemovedRun = tuple[int, str, list[int], "int | None"]
+"""(REMOVED, tier, engine hashes, KV-cache group or None): consecutive BlockRemoved of one tier and group."""
 Cleared = tuple[int]
 Run = StoredRun | RemovedRun | Cleared
 
@@ -455,13 +463,15 @@ Run = StoredRun | RemovedRun | Cleared
 class ScannedBatch(NamedTuple):
     """A batch in the form ingestion applies: runs of events (`Run`); also made from `decode_batch`'s result
     (`ingest.decode`). `events`: how many events the runs hold; `skipped`: events of KV groups that are not
-    full attention, left out."""
+    full attention, left out; `partial_groups`: their `group_idx`s (the groups whose BlockRemoved events
+    `ingest.KvIngest` must not apply: an engine publishes a block's hash in every group)."""
 
     ts: float
     data_parallel_rank: int | None
     runs: list[Run]
     events: int
     skipped: int
+    partial_groups: tuple[int, ...] = ()
 
 
 def scan_batch(payload: bytes) -> ScannedBatch | None:
@@ -483,19 +493,22 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
     tokens = data[size + cap :]
     out: list[Run] = []
     skipped = 0
+    partial: list[int] = []
     ev_at = _HEAD + nruns * _RUN
     try:
         for r in range(_HEAD, ev_at, _RUN):
-            kind, e0, e1, h0, h1, t0, t1, m_at, m_n, l_at, l_n, s_at, s_n = w[r : r + _RUN]
+            kind, e0, e1, h0, h1, t0, t1, m_at, m_n, l_at, l_n, s_at, s_n, grp = w[r : r + _RUN]
             if kind == CLEARED:
                 out.append(_CLEARED)
                 continue
             tier = GPU if m_n < 0 else normalize_tier(payload[m_at : m_at + m_n].decode())
             if kind == REMOVED:
-                out.append((REMOVED, tier, hl[h0:h1]))
+                out.append((REMOVED, tier, hl[h0:h1], None if grp < 0 else grp))
                 continue
             if s_n >= 0 and payload[s_at : s_at + s_n].decode() not in FULL_ATTENTION_KINDS:
                 skipped += e1 - e0
+                if grp >= 0 and grp not in partial:
+                    partial.append(grp)
                 continue
             cols = w[ev_at + e0 * _EVENT : ev_at + e1 * _EVENT]
             has = cols[0::_EVENT]
@@ -519,7 +532,7 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
     except UnicodeDecodeError:
         return None  # decode_batch names it
     ts = struct.unpack("<d", struct.pack("<q", w[0]))[0]
-    return ScannedBatch(ts, w[1] if w[2] else None, out, w[3] - skipped, skipped)
+    return ScannedBatch(ts, w[1] if w[2] else None, out, w[3] - skipped, skipped, tuple(partial))
 
 
 _CLEARED: Final[Cleared] = (CLEARED,)

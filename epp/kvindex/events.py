@@ -83,6 +83,7 @@ class BlockStored:
 class BlockRemoved:
     block_hashes: tuple[int, ...]
     tier: str
+    group: int | None = None  # the KV-cache group (`group_idx`) it left; None when not sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,7 @@ class EventBatch:
     events: tuple[Event, ...]
     data_parallel_rank: int | None
     skipped: int  # events dropped because their KV group is not full attention
+    partial_groups: tuple[int, ...] = ()  # the `group_idx` of those (sent ones), in order of appearance
 
 
 class DecodeError(ValueError):
@@ -261,12 +263,15 @@ def _convert(ts: float, wire: Sequence[_WireEvent], dp_rank: int | None, unsigne
     events: list[Any] = []
     append = events.append
     skipped = 0
+    partial: list[int] = []
     tiers = _TIER_EXACT
     for ev in wire:
         if isinstance(ev, _StoredFields):
             kind = ev.kv_cache_spec_kind
             if kind is not None and kind not in FULL_ATTENTION_KINDS:
                 skipped += 1
+                if ev.group_idx is not None and ev.group_idx not in partial:
+                    partial.append(ev.group_idx)
                 continue
             hashes = ev.block_hashes
             parent = ev.parent_block_hash
@@ -296,12 +301,13 @@ def _convert(ts: float, wire: Sequence[_WireEvent], dp_rank: int | None, unsigne
             removed = _RemovedTwin(
                 hashes if unsigned else _hashes(hashes, wire, ev, "block_hashes"),
                 tiers.get(medium) or normalize_tier(medium),
+                ev.group_idx,
             )
             removed.__class__ = BlockRemoved
             append(removed)
         else:
             append(_CLEARED)
-    batch = _BatchTwin(ts, tuple(events), dp_rank, skipped)
+    batch = _BatchTwin(ts, tuple(events), dp_rank, skipped, tuple(partial))
     batch.__class__ = EventBatch
     return batch  # type: ignore[no-any-return]
 

@@ -56,6 +56,7 @@ class Applied:
 @dataclass(frozen=True, slots=True)
 class Dropped:
     reason: str
+    detail: str = field(default="", compare=False)  # what was wrong, for the edge's (rate-limited) log
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,31 +122,39 @@ def runs_of(batch: EventBatch) -> ScannedBatch:
         if type(ev) is BlockStored:
             extra = ev.extra_keys
             salted = ev.cache_salt or (extra and extra[0] is not None)
-            salt = salt_of(extra, ev.cache_salt) if salted else None
+            salt = salt_of(extra, ev.cache_salt, ev.lora_name) if salted else None
             hashes = list(ev.block_hashes)
             runs.append(
                 (STORED, ev.tier, ev.lora_name, salt, hashes, [ev.parent_block_hash], [len(hashes)],
                  ev.token_ids, [len(ev.token_ids)], [ev.block_size])
             )  # fmt: skip
         elif type(ev) is BlockRemoved:
-            runs.append((REMOVED, ev.tier, list(ev.block_hashes)))
+            runs.append((REMOVED, ev.tier, list(ev.block_hashes), ev.group))
         else:
             runs.append((CLEARED,))
-    return ScannedBatch(batch.ts, batch.data_parallel_rank, runs, len(batch.events), batch.skipped)
+    return ScannedBatch(
+        batch.ts, batch.data_parallel_rank, runs, len(batch.events), batch.skipped, batch.partial_groups
+    )
 
 
-def salt_of(extra_keys: tuple[object, ...] | None, cache_salt: str | None) -> str | None:
+def salt_of(
+    extra_keys: tuple[object, ...] | None, cache_salt: str | None, lora_name: str | None = None
+) -> str | None:
     """The tenant salt of a chain's first block: SGLang's `cache_salt`, or the string items of vLLM's
-    `extra_keys[0]` (where vLLM puts the request's cache_salt)."""
+    `extra_keys[0]`. vLLM builds a block's extra keys as its LoRA keys, then multimodal ids, then (first
+    block only) the request's cache_salt; from 0.18 the LoRA key is the adapter's name, so a leading
+    item equal to `lora_name` is the adapter (already in the chain's root), not a salt."""
     if cache_salt:
         return cache_salt
     if not extra_keys:
         return None
     first = extra_keys[0]
     if isinstance(first, str):
-        return first or None
+        return None if not first or first == lora_name else first
     if isinstance(first, list | tuple):
         parts = [x for x in first if isinstance(x, str)]
+        if parts and lora_name is not None and parts[0] == lora_name:
+            parts = parts[1:]
         return "\x00".join(parts) if parts else None
     return None
 
@@ -171,6 +180,7 @@ class KvIngest:
         self.counters: dict[str, PodCounters] = {}
         self.last_seq: dict[str, int] = {}
         self._roots: dict[tuple[str, str | None], int] = {}
+        self._partial_groups: dict[str, set[int]] = {}  # per pod: KV groups that are not full attention
 
     def _counters(self, pod: str) -> PodCounters:
         c = self.counters.get(pod)
@@ -178,11 +188,12 @@ class KvIngest:
             c = self.counters[pod] = PodCounters()
         return c
 
-    def drop(self, pod: str, reason: str, now: float) -> Dropped:
-        """Count a message the edge could not even hand over (bad frames, short seq, unknown topic)."""
+    def drop(self, pod: str, reason: str, now: float, detail: str = "") -> Dropped:
+        """Count a message the edge could not even hand over (bad frames, short seq, unknown topic), or
+        one that did not decode."""
         self._counters(pod).drops[reason] += 1
         self.freshness.problem(pod, now, "malformed" if reason != "overflow" else "dropped")
-        return Dropped(reason)
+        return Dropped(reason, detail)
 
     # -- live messages -------------------------------------------------------------------
     def on_live(
@@ -201,10 +212,12 @@ class KvIngest:
         except DecodeError as err:
             # The seq still counts as received: the loss shows as `malformed`, not as a gap. Not while
             # replaying (the seq is the replay's progress; the replayed copy counts) or out of contact.
-            pub = self._publisher(pod, rank)
-            if not (pub.replaying or pub.lost_contact):
-                pub.seq.advance(seq)
-            return self.drop(pod, err.reason, now)
+            # Central mode (rank < 0) learns the rank from the payload: the seq counts for the pod's
+            # publisher that expected it next, if any (otherwise its next message shows the gap).
+            for pub in self._receivers(pod, rank, seq):
+                if not (pub.replaying or pub.lost_contact):
+                    pub.seq.advance(seq)
+            return self.drop(pod, err.reason, now, str(err))
         if rank < 0:
             rank = batch.data_parallel_rank or 0
             if not 0 <= rank < MAX_DP_RANKS:
@@ -219,7 +232,7 @@ class KvIngest:
         if pub.replaying:
             if not self._hold(pub, seq, payload, topic_model):
                 pub.replay_hole = True  # lost: its replayed copy would not fit either
-                return self.drop(pod, "overflow", now)
+                return self.drop(pod, "overflow", now, "too many live messages held while a replay runs")
             return _APPLIED[0]
         verdict = pub.seq.classify(seq)
         c = self._counters(pod)
@@ -347,7 +360,7 @@ class KvIngest:
             # ends; what the live stream lost in between is merged into `held`, in seq order.
             if not self._hold(pub, seq, payload, topic_model):
                 pub.replay_hole = True
-                return self.drop(pod, "overflow", now)
+                return self.drop(pod, "overflow", now, "too many messages held while a replay runs")
             return _APPLIED[0]
         expected = 0 if pub.seq.last is None else pub.seq.last + 1
         if seq != expected:
@@ -356,7 +369,7 @@ class KvIngest:
             batch = decode(payload)
         except DecodeError as err:
             pub.seq.advance(seq)
-            return self.drop(pod, err.reason, now)
+            return self.drop(pod, err.reason, now, str(err))
         return self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
 
     def replay_finished(self, pod: str, rank: int, now: float, complete: bool) -> int:
@@ -417,6 +430,11 @@ class KvIngest:
         c = self._counters(pod)
         c.messages += 1
         c.skipped_groups += batch.skipped
+        partial = self._partial_groups.get(pod)
+        if batch.partial_groups:
+            if partial is None:
+                partial = self._partial_groups[pod] = set()
+            partial.update(batch.partial_groups)
         index = self.index
         roots = self._roots
         pod_model: str | None = None  # model_of(pod), asked at most once per message
@@ -448,6 +466,9 @@ class KvIngest:
                     pod, tier, root, hashes, parents, per_event, tokens, tokens_per_event, sizes
                 )
             elif run[0] == REMOVED:
+                if partial and run[3] in partial:  # type: ignore[misc,operator]
+                    c.skipped_groups += len(run[2])  # type: ignore[arg-type,misc]
+                    continue  # a sliding-window (...) group's copy: the full-attention block stays
                 index.discard(pod, run[2], run[1])  # type: ignore[arg-type,misc]
             else:
                 index.clear_pod(pod)
@@ -459,6 +480,17 @@ class KvIngest:
         self.last_seq[pod] = seq
         self.freshness.message(pod, now, lag)
         return applied(batch.events)
+
+    def _receivers(self, pod: str, rank: int, seq: int) -> list[_Publisher]:
+        """The publisher a message of `pod` with `seq` came from: `rank`'s, or with the rank unknown (-1),
+        the pod's publishers whose stream `seq` continues."""
+        if rank >= 0:
+            return [self._publisher(pod, rank)]
+        return [
+            pub
+            for (p, _), pub in self._publishers.items()
+            if p == pod and pub.seq.last is not None and pub.seq.last + 1 == seq
+        ]
 
     def _publisher(self, pod: str, rank: int) -> _Publisher:
         key = (pod, rank)
@@ -474,4 +506,5 @@ class KvIngest:
             del self._publishers[key]
         self.counters.pop(pod, None)
         self.last_seq.pop(pod, None)
+        self._partial_groups.pop(pod, None)
         self.freshness.forget(pod)

@@ -16,7 +16,9 @@ from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
 from epp.kvindex.speculative import SpeculativeBlocks
-from epp.types import InferenceRequest
+from epp.types import ChatOptions, InferenceRequest
+
+_DEFAULT_CHAT = ChatOptions()
 
 SERVICE_KEY = "kv_index"
 _EMPTY = np.zeros(0, dtype=np.uint64)
@@ -49,7 +51,15 @@ class KvIndexService:
             return None
         try:
             if request.messages is not None:
-                return tok.encode_chat(request.messages)
+                c = request.chat or _DEFAULT_CHAT
+                return tok.encode_chat(
+                    request.messages,
+                    add_generation_prompt=c.add_generation_prompt,
+                    continue_final_message=c.continue_final_message,
+                    tools=c.tools,
+                    documents=c.documents,
+                    chat_template_kwargs=c.chat_template_kwargs,
+                )
             if isinstance(prompt, str):
                 return tok.encode_prompt(prompt)
         except TokenizerError:

@@ -108,7 +108,9 @@ class EppServer:
         self.subscriber = (
             KvEventSubscriber(self.datastore, self.ingest, self.clock, kv) if kv.mode != "off" else None
         )
-        self.metrics.registry.register(KvIndexCollector(self.kv, self.ingest, self.clock))
+        self.metrics.registry.register(
+            KvIndexCollector(self.kv, self.ingest, self.clock, self._served_models)
+        )
         # Plugins are built (and their parameters validated) here, before anything listens.
         self.cost = CostModel(config.cost_model)
         self.metrics.attach_cost_model(self.cost)

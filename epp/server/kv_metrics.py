@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -14,10 +14,18 @@ from epp.kvindex.service import KvIndexService
 
 
 class KvIndexCollector(Collector):
-    def __init__(self, service: KvIndexService, ingest: KvIngest, clock: Clock) -> None:
+    def __init__(
+        self,
+        service: KvIndexService,
+        ingest: KvIngest,
+        clock: Clock,
+        served_models: Callable[[], set[str]] | None = None,
+    ) -> None:
+        """`served_models`: the models the pool's endpoints serve (those without a tokenizer get a 0)."""
         self.service = service
         self.ingest = ingest
         self.clock = clock
+        self.served_models = served_models
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock.now()
@@ -86,10 +94,16 @@ class KvIndexCollector(Collector):
             for tier, n in c.unknown_tiers.items():
                 unknown.add_metric([pod, tier], n)
         tok = GaugeMetricFamily(
-            "epp_kv_tokenizer_available", "1 when a tokenizer is configured for the model", labels=["model"]
+            "epp_kv_tokenizer_available",
+            "1 when a tokenizer is configured for the model, 0 for a served model without one (precise "
+            "scoring is off for its text and chat prompts)",
+            labels=["model"],
         )
-        for model in svc.tokenizers.models():
+        configured = svc.tokenizers.models()
+        for model in configured:
             tok.add_metric([model], 1.0)
+        for model in sorted((self.served_models() if self.served_models else set()) - set(configured)):
+            tok.add_metric([model], 0.0)
         unkeyed = CounterMetricFamily(
             "epp_kv_unkeyed_requests",
             "Requests the precise prefix scorer could not key (no tokenizer for the model, tokenizer error)",

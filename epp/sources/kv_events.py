@@ -31,7 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 from epp.clock import Clock
 from epp.config_sections import KvEventsConfig
 from epp.datastore import Datastore
-from epp.kvindex.ingest import KvIngest, NeedReplay
+from epp.kvindex.ingest import Dropped, KvIngest, NeedReplay
 from epp.kvindex.sequence import END_OF_REPLAY
 
 log = logging.getLogger("epp.kv_events")
@@ -279,6 +279,15 @@ class KvEventSubscriber:
         outcome = self.ingest.on_live(pod, rank, seq, payload, now, topic_model, self.wall())
         if isinstance(outcome, NeedReplay):
             self._start_replay(outcome)
+        elif isinstance(outcome, Dropped) and outcome.detail:
+            self._log_dropped(pod, outcome)
+
+    def _log_dropped(self, pod: str, outcome: Dropped) -> None:
+        """A message the ingest dropped (it did not decode, or a replay's backlog overflowed): logged at a
+        bounded rate per pod and reason, like the edge's own drops."""
+        self._logs.warn(
+            pod, outcome.reason, "kv events from %s dropped (%s): %s", pod, outcome.reason, outcome.detail
+        )
 
     def _pod_of(self, where: str | None) -> str | None:
         if where is None:
@@ -375,16 +384,21 @@ class KvEventSubscriber:
                 elif len(frames) == 2:
                     topic_b, (seq_b, payload) = b"", frames
                 else:
-                    self.ingest.drop(need.pod, "replay_frames", self.clock.now())
+                    detail = f"replay reply of {len(frames)} frames, expected 2 or 3 after the envelope"
+                    self._drop(need.pod, "replay_frames", self.clock.now(), detail)
                     continue
                 if len(seq_b) != 8:
-                    self.ingest.drop(need.pod, "bad_seq", self.clock.now())
+                    self._drop(need.pod, "bad_seq", self.clock.now(), f"replayed seq of {len(seq_b)} bytes")
                     continue
                 seq = int.from_bytes(seq_b, "big")
                 if seq == END_OF_REPLAY:
                     return True, next_seq
                 _, topic_model = parse_topic(topic_b.decode(errors="replace"))
-                self.ingest.on_replayed(need.pod, need.rank, seq, payload, self.clock.now(), topic_model)
+                outcome = self.ingest.on_replayed(
+                    need.pod, need.rank, seq, payload, self.clock.now(), topic_model
+                )
+                if isinstance(outcome, Dropped) and outcome.detail:
+                    self._log_dropped(need.pod, outcome)
                 next_seq = max(next_seq, seq + 1)
         finally:
             sock.close(linger=0)

@@ -28,10 +28,17 @@ def flat(batch: ScannedBatch) -> tuple[Any, ...]:
                 h += n
                 t += nt
         elif run[0] == REMOVED:
-            out.extend(("R", x, run[1]) for x in run[2])  # type: ignore[misc,union-attr]
+            out.extend(("R", x, run[1], run[3]) for x in run[2])  # type: ignore[misc,union-attr]
         else:
             out.append(("C",))
-    return (repr(batch.ts), batch.data_parallel_rank, batch.events, batch.skipped, tuple(out))  # (nan == nan)
+    return (
+        repr(batch.ts),
+        batch.data_parallel_rank,
+        batch.events,
+        batch.skipped,
+        batch.partial_groups,
+        tuple(out),
+    )  # (repr: nan == nan)
 
 
 def same_reading(payload: bytes) -> ScannedBatch | None:

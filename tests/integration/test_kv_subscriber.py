@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from epp.clock import MonotonicClock
 from epp.config import KvEventsConfig
@@ -161,20 +165,114 @@ async def test_engine_restart_clears_the_pod_before_new_events() -> None:
         assert r.state(POD_A)[0] is Freshness.FRESH
 
 
-async def test_garbage_is_counted_and_never_stops_the_subscriber() -> None:
+async def test_garbage_is_counted_logged_and_never_stops_the_subscriber(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     port = free_port()
     async with KvEventPublisher(f"tcp://127.0.0.2:{port}") as a, rig(per_pod(port)) as r:
         await joined(r, a, POD_A)
-        await a.send_raw([b"", b"\x00" * 8])  # 2 frames
-        await a.send_raw([b"", b"\x00\x01", b"x"])  # short seq
-        await a.send_raw([b"", b"", b"", b""])  # 4 frames
-        await a.publish([], payload=b"\xc1 not msgpack")
-        await a.publish([], payload=encode_batch([stored([1], None, [1, 2, 3])]))  # token count wrong
-        await a.publish([stored([5], None, tokens(1))])
-        await eventually(lambda: r.blocks(POD_A) == 1, "good event after garbage")
+        with caplog.at_level(logging.WARNING, logger="epp.sources.kv_events"):
+            await a.send_raw([b"", b"\x00" * 8])  # 2 frames
+            await a.send_raw([b"", b"\x00\x01", b"x"])  # short seq
+            await a.send_raw([b"", b"", b"", b""])  # 4 frames
+            await a.publish([], payload=b"\xc1 not msgpack")
+            await a.publish([], payload=b"\xc1 not msgpack either")
+            await a.publish([], payload=encode_batch([stored([1], None, [1, 2, 3])]))  # token count wrong
+            await a.publish([stored([5], None, tokens(1))])
+            await eventually(lambda: r.blocks(POD_A) == 1, "good event after garbage")
         drops = r.ingest.counters[POD_A].drops
-        assert drops["frame_count"] == 2 and drops["bad_seq"] == 1 and drops["msgpack"] == 1
+        assert drops["frame_count"] == 2 and drops["bad_seq"] == 1 and drops["msgpack"] == 2
         assert r.state(POD_A) == (Freshness.DEGRADED, "malformed")
+        logged = [rec.getMessage() for rec in caplog.records]
+        for reason in ("frame_count", "bad_seq", "msgpack"):  # each once: the log is rate-limited
+            assert sum(f"{POD_A} dropped ({reason})" in m for m in logged) == 1, (reason, logged)
+        assert sum("dropped (" in m for m in logged) == 3  # (a wrong token count is a store rejected)
+
+
+@contextlib.asynccontextmanager
+async def replay_router(port: int, replies: list[list[bytes]]) -> AsyncIterator[list[int]]:
+    """An engine's replay ROUTER on 127.0.0.2:`port` that answers each request with the next list of
+    frames in `replies` (nothing once they run out) and records each request's start seq."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.2:{port}")
+    starts: list[int] = []
+
+    async def serve() -> None:
+        while True:
+            ident, _, start = await sock.recv_multipart()
+            starts.append(int.from_bytes(start, "big"))
+            for frames in replies[len(starts) - 1] if len(starts) <= len(replies) else []:
+                await sock.send_multipart([ident, b"", *frames])
+
+    task = asyncio.create_task(serve())
+    try:
+        yield starts
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _idle_engine(port: int) -> zmq.Socket[bytes]:
+    """A PUB socket that sends nothing: the SUB connects, and the first connection asks for a replay."""
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.2:{port}")
+    return pub
+
+
+_END = [(2**64 - 1).to_bytes(8, "big"), b""]
+
+
+def replays(r: Rig) -> Counter[str]:
+    c = r.ingest.counters.get(POD_A)
+    return c.replays if c else Counter()
+
+
+async def test_bad_replay_replies_are_counted_logged_and_the_replay_completes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port, replay = free_port(), free_port()
+    good = encode_batch([stored([1], None, tokens(1))])
+    reply = [[b"a", b"b", b"c", b"d"], [b"\x00\x01", good], [(0).to_bytes(8, "big"), good], _END]
+    pub = _idle_engine(port)
+    try:
+        with caplog.at_level(logging.WARNING, logger="epp.sources.kv_events"):
+            async with replay_router(replay, [reply]) as starts, rig(per_pod(port, replay)) as r:
+                await eventually(lambda: r.blocks(POD_A) == 1, "the good replayed message applied")
+                await eventually(lambda: replays(r)["complete"] == 1, "replay complete")
+                drops = r.ingest.counters[POD_A].drops
+                assert drops["replay_frames"] == 1 and drops["bad_seq"] == 1 and starts == [0]
+        logged = " ".join(rec.getMessage() for rec in caplog.records)
+        assert "dropped (replay_frames)" in logged and "dropped (bad_seq)" in logged
+    finally:
+        pub.close(linger=0)
+
+
+async def test_a_replay_cut_short_is_retried_from_where_it_stopped_then_given_up() -> None:
+    """The ROUTER sends one message and no end marker, then never answers: each retry asks from the next
+    seq, and after the last the replay is incomplete: the pod is cleared and stale."""
+    port, replay = free_port(), free_port()
+    first = [[(0).to_bytes(8, "big"), encode_batch([stored([1], None, tokens(1))])]]
+    settings = KvEventsConfig(
+        mode="per-pod",
+        port=port,
+        replay_port=replay,
+        replay_timeout=0.2,
+        replay_retries=2,
+        sync_interval=0.05,
+    )
+    pub = _idle_engine(port)
+    try:
+        async with replay_router(replay, [first]) as starts, rig(settings) as r:
+            await eventually(lambda: replays(r)["incomplete"] == 1, "replay given up")
+            assert starts == [0, 1, 1]  # retries: replay_retries + 1 requests in all
+            assert r.blocks(POD_A) == 0
+            assert r.state(POD_A) == (Freshness.STALE, "unrecovered_gap")
+    finally:
+        pub.close(linger=0)
 
 
 async def test_a_burst_is_drained_in_order_and_flushed_once_the_socket_is_idle() -> None:

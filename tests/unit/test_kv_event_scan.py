@@ -80,6 +80,8 @@ def removed_event(draw: st.DrawFn, form: str) -> Any:
     event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes}
     if draw(st.booleans()):
         event["medium"] = medium
+    if draw(st.booleans()):
+        event["group_idx"] = draw(_opt_int)
     if draw(st.integers(0, 7)) == 0:  # a field of BlockStored: msgspec ignores it here
         event[draw(st.sampled_from(["token_ids", "lora_name", "block_size"]))] = draw(
             st.sampled_from([[1], "x", 2])
@@ -165,7 +167,7 @@ def test_runs_split_where_the_tier_model_or_kind_changes() -> None:
         (CLEARED, None),
         (CLEARED, None),
     ]
-    assert scanned.runs[4] == (REMOVED, "gpu", [1, 2])
+    assert scanned.runs[4] == (REMOVED, "gpu", [1, 2], None)
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ def as_json(batch: EventBatch) -> dict[str, Any]:
         "ts": batch.ts,
         "data_parallel_rank": batch.data_parallel_rank,
         "skipped": batch.skipped,
+        "partial_groups": list(batch.partial_groups),
         "events": [event(e) for e in batch.events],
     }
 
@@ -116,6 +117,8 @@ SHAPES = [
         stored([1], None, None, "GPU", None, [["s"]]),
         expect_stored([1], extra_keys=(("s",),)),
     ),
+    ("array-10-group", stored([1, 2], 5, None, "GPU", None, None, 3), expect_stored([1, 2], 5)),  # 0.20/0.21
+    ("array-11-kind", stored([1], None, None, "GPU", None, None, 1, "mla_attention"), expect_stored([1])),
     (
         "array-12-groups",
         stored([1, 2], 5, None, "GPU", None, None, 0, "full_attention", None),
@@ -123,7 +126,7 @@ SHAPES = [
     ),
     ("array-removed-2", ["BlockRemoved", [4]], BlockRemoved((4,), GPU)),
     ("array-removed-3", ["BlockRemoved", [4], "CPU"], BlockRemoved((4,), CPU)),
-    ("array-removed-4", ["BlockRemoved", [4], "DISK", 1], BlockRemoved((4,), STORAGE)),
+    ("array-removed-4", ["BlockRemoved", [4], "DISK", 1], BlockRemoved((4,), STORAGE, 1)),
     ("array-cleared", ["AllBlocksCleared"], AllBlocksCleared()),
     # map form: defaulted fields left out, or all present
     ("map-minimal", mstored([1]), expect_stored([1])),
@@ -196,7 +199,7 @@ def test_unknown_fields_are_ignored() -> None:
     assert one(event) == expect_stored([1])
     long_array = stored([1], None, None, "GPU", None, None, 0, "full_attention", None, "new", [1], {"a": 1})
     assert one(long_array) == expect_stored([1])
-    assert one(["BlockRemoved", [1], "GPU", 0, "future"]) == BlockRemoved((1,), GPU)
+    assert one(["BlockRemoved", [1], "GPU", 0, "future"]) == BlockRemoved((1,), GPU, 0)
     assert one(["AllBlocksCleared", 1, 2]) == AllBlocksCleared()
 
 

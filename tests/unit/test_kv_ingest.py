@@ -12,10 +12,13 @@ from hypothesis import strategies as st
 from epp.kvindex.events import KNOWN_TIERS, BlockRemoved, BlockStored, decode_batch
 from epp.kvindex.freshness import Freshness, FreshnessTracker
 from epp.kvindex.index import BlockIndex
+from epp.kvindex import ingest as ingest_module
 from epp.kvindex.ingest import Applied, Dropped, KvIngest, NeedReplay, salt_of
 from epp.kvindex.keys import block_keys, root_key
 from epp.testing.fakes import FakeClock
 from epp.testing.kv_publisher import cleared, encode_batch, removed, stored
+from epp.testing.kv_wire import BlockRemoved as WireRemoved
+from epp.testing.kv_wire import BlockStored as WireStored
 
 BS = 16
 P = "10.0.0.1:8000"
@@ -118,6 +121,22 @@ def test_malformed_payload_is_dropped_counted_and_does_not_look_like_a_gap() -> 
     assert ing.freshness.state(P, 1.0).reason == "malformed"
 
 
+def test_central_mode_a_malformed_payload_counts_for_the_rank_whose_stream_it_continues() -> None:
+    """In central mode the rank comes from the payload (rank -1 here): a payload that does not decode is
+    counted for the pod's publisher that expected its seq next, as in per-pod mode; nothing is cleared."""
+    ing = make()
+    ing.on_live(P, -1, 0, encode_batch([stored([1, 2], None, toks(2))], dp_rank=0), 1.0)
+    ing.on_live(P, -1, 7, encode_batch([stored([5], None, toks(1, 70))], dp_rank=1), 1.0)
+    assert ing.on_live(P, -1, 1, b"\xc1", 1.0) == Dropped("msgpack")  # rank 0's next
+    after = encode_batch([stored([9], None, toks(1, 90))], dp_rank=0)
+    assert ing.on_live(P, -1, 2, after, 1.0) == Applied(1)
+    assert ing.counters[P].gaps == 0 and gpu(ing) == 4
+    assert ing.on_live(P, -1, 5, b"\xc1", 1.0) == Dropped("msgpack")  # no rank's next: counted, no seq moves
+    assert ing.on_live(P, -1, 8, encode_batch([stored([6], 5, toks(1, 86))], dp_rank=1), 1.0) == Applied(1)
+    assert ing.counters[P].gaps == 0 and gpu(ing) == 5
+    assert ing.freshness.state(P, 1.0).reason == "malformed"
+
+
 def test_removed_and_cleared_events() -> None:
     ing = make()
     ing.on_live(P, 0, 0, B0, 1.0)
@@ -176,6 +195,63 @@ def test_salt_of(extra: object, salt: str | None, expected: str | None) -> None:
     assert salt_of(extra, salt) == expected  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("extra", "lora", "expected"),
+    [
+        ((("sql",), ("sql",)), "sql", None),  # vLLM 0.18+: the adapter's name leads every block's keys
+        ((("sql", "tenant-a"), ("sql",)), "sql", "tenant-a"),  # then the first block's cache_salt
+        (("sql",), "sql", None),
+        ((("tenant-a",),), "sql", "tenant-a"),  # not the adapter's name: a salt
+        ((("sql", "tenant-a"),), None, "sql\x00tenant-a"),  # no adapter: every string is the salt's
+        (((7, "tenant-a"),), "sql", "tenant-a"),  # vLLM before 0.18: the adapter's int id
+    ],
+)
+def test_salt_of_leaves_out_the_adapter_name(extra: object, lora: str | None, expected: str | None) -> None:
+    assert salt_of(extra, None, lora) == expected  # type: ignore[arg-type]
+
+
+def test_lora_blocks_match_requests_for_the_adapter() -> None:
+    """vLLM puts the adapter's name in every block's extra keys (and the salt after it in the first):
+    the blocks are indexed under the adapter (and the salt), as a request for the adapter looks them up."""
+    ing = make()
+    keys = [["sql"], ["sql"]]
+    ing.on_live(P, 0, 0, encode_batch([stored([1, 2], None, toks(2), lora_name="sql", extra_keys=keys)]), 1.0)
+    salted = [["sql", "tenant-a"]]
+    ing.on_live(
+        P, 0, 1, encode_batch([stored([3], None, toks(1, 99), lora_name="sql", extra_keys=salted)]), 1.0
+    )
+    assert ing.index.lookup(block_keys(toks(2), BS, root_key("sql", None)), [P])[P]["gpu"] == 2
+    assert ing.index.lookup(block_keys(toks(1, 99), BS, root_key("sql", "tenant-a")), [P])[P]["gpu"] == 1
+    assert ing.index.lookup(block_keys(toks(1, 99), BS, root_key("sql", None)), [P])[P].get("gpu", 0) == 0
+    assert ing.index.lookup(block_keys(toks(2), BS, root_key("m", None)), [P])[P].get("gpu", 0) == 0
+
+
+def _group_store(hashes: list[int], group: int, kind: str) -> Any:
+    return WireStored(hashes, None, toks(len(hashes)), BS, None, "GPU", None, None, group, kind)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["compiled-scan", "msgspec"])
+def test_a_removal_in_a_sliding_window_group_leaves_the_full_attention_block(
+    scan: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hybrid model's engine publishes a block's hash in every KV group. Stores of groups that are not
+    full attention are skipped; so are their removals (of the groups seen skipped for the pod), while a
+    removal in the full-attention group still removes the block."""
+    monkeypatch.setattr(ingest_module, "SCAN_FROM", 0 if scan else 1 << 30)
+    ing = make()
+    swa = _group_store([1, 2], 1, "sliding_window")
+    ing.on_live(P, 0, 0, encode_batch([_group_store([1, 2], 0, "full_attention"), swa]), 1.0)
+    assert gpu(ing) == 2 and ing.counters[P].skipped_groups == 1
+    ing.on_live(P, 0, 1, encode_batch([WireRemoved([1, 2], "GPU", 1)]), 1.0)
+    assert gpu(ing) == 2 and ing.counters[P].skipped_groups == 3  # + the 2 blocks not removed
+    ing.on_live(P, 0, 2, encode_batch([WireRemoved([2], "GPU", 0)]), 1.0)
+    assert gpu(ing) == 1
+    other = "10.0.0.2:8000"  # the groups are learnt per pod: one never seen skipping group 1 applies it
+    ing.on_live(other, 0, 0, encode_batch([_group_store([1], 0, "full_attention")]), 1.0)
+    ing.on_live(other, 0, 1, encode_batch([WireRemoved([1], "GPU", 1)]), 1.0)
+    assert ing.index.pod_counts(other).get("gpu", 0) == 0
+
+
 def test_salted_chains_get_their_own_keys() -> None:
     ing = make()
     ing.on_live(P, 0, 0, encode_batch([stored([1], None, toks(1), extra_keys=[["tenant-a"]])]), 1.0)
@@ -222,7 +298,7 @@ def test_a_message_is_applied_as_its_events_one_by_one(data: st.DataObject) -> N
         for ev in decode_batch(payload).events:
             if isinstance(ev, BlockStored):
                 model = ev.lora_name or "m"
-                root = root_key(model, salt_of(ev.extra_keys, ev.cache_salt))
+                root = root_key(model, salt_of(ev.extra_keys, ev.cache_salt, ev.lora_name))
                 if ev.tier not in KNOWN_TIERS:
                     ref_unknown_tiers[ev.tier] += 1
                 out = ref.store(

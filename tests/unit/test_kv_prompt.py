@@ -16,10 +16,13 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
+from epp.kvindex.freshness import FreshnessTracker
+from epp.kvindex.index import BlockIndex
 from epp.kvindex.prefix_cache import Chunker, PrefixCache
 from epp.kvindex.prompt import PromptTokenizer, TokenizerError, TokenizerRegistry
+from epp.kvindex.service import KvIndexService
 from epp.testing.tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer, generated_text
-from epp.types import ApiKind, InferenceRequest
+from epp.types import ApiKind, ChatOptions, InferenceRequest
 
 BOT, SH, EH, EOT = "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 SYSTEM_AND_USER = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi!\n"}]
@@ -513,3 +516,27 @@ def test_a_tail_that_loses_tokens_alone_is_caught_on_insert() -> None:
     cache = PrefixCache(encode, lambda ts: [encode(t) for t in ts], Chunker(2), max_bytes=1 << 20)
     assert cache.encode("ab cd!").tolist() == encode("ab cd!")
     assert cache.stats()["entries"] == 0 and cache.stats()["unstable"] == 1
+
+
+def test_the_index_service_renders_chat_requests_with_their_options(tiny_dir: Path) -> None:
+    """A chat request's tools and rendering flags reach the chat template, as they reach the engine's:
+    otherwise a tool-calling request's first block differs from what the engine cached."""
+    service = KvIndexService(
+        BlockIndex(block_size=16, max_entries=1000),
+        FreshnessTracker(),
+        TokenizerRegistry({"m": tiny_dir}),
+        block_size=16,
+    )
+    tok = service.tokenizers.get("m")
+    assert tok is not None
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    ]
+    chat = ChatOptions(add_generation_prompt=False, tools=[TOOL])
+    request = InferenceRequest("r", ApiKind.CHAT_COMPLETIONS, "m", messages=messages, chat=chat)
+    expected = list(tok.encode_chat(messages, add_generation_prompt=False, tools=[TOOL]))
+    got = service.prompt_tokens(request)
+    assert got is not None and list(got) == expected
+    plain = service.prompt_tokens(InferenceRequest("r", ApiKind.CHAT_COMPLETIONS, "m", messages=messages))
+    assert plain is not None and list(plain) == list(tok.encode_chat(messages)) != expected

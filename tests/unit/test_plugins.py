@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -310,3 +311,34 @@ def test_speculative_entries_are_reported_per_scorer_in_debug_index_and_metrics(
     reg.create("precise-prefix-cache-scorer", "spec", {}, handle)  # rebuilt without the setting
     assert index_report(svc, ingest, "per-pod", NOW)["speculative_entries"] == {}
     assert gauge() == []
+
+
+def test_a_served_model_without_a_tokenizer_is_reported_and_its_prompts_counted(tmp_path: Path) -> None:
+    """Precise scoring is off for a served model without a tokenizer: /debug/index lists the model, the
+    tokenizer gauge is 0 for it (1 for a configured one) and its text prompts count as unkeyed."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from epp.kvindex.freshness import FreshnessTracker
+    from epp.kvindex.index import BlockIndex
+    from epp.kvindex.ingest import KvIngest
+    from epp.kvindex.prompt import TokenizerRegistry
+    from epp.kvindex.report import index_report
+    from epp.kvindex.service import KvIndexService
+    from epp.server.kv_metrics import KvIndexCollector
+    from epp.testing.tokenizer import build_tiny_tokenizer
+    from epp.types import ApiKind, InferenceRequest
+
+    tokenizers = TokenizerRegistry({"with": build_tiny_tokenizer(tmp_path)})
+    svc = KvIndexService(BlockIndex(16, 10_000), FreshnessTracker(), tokenizers, 16)
+    ingest = KvIngest(svc.index, svc.freshness, lambda pod: "with")
+    metrics = CollectorRegistry()
+    metrics.register(KvIndexCollector(svc, ingest, FakeClock(NOW), lambda: {"with", "without"}))
+    assert svc.prompt_keys(InferenceRequest("r", ApiKind.COMPLETIONS, "without", prompt="hello")) is None
+    assert svc.prompt_keys(InferenceRequest("r", ApiKind.COMPLETIONS, "with", prompt="hello")) is not None
+    report = index_report(svc, ingest, "per-pod", NOW, {"with", "without"})
+    assert report["models_without_tokenizer"] == ["without"]
+    assert report["precise_scoring_off"] == {"without": {"no_tokenizer": 1}}
+    text = generate_latest(metrics).decode()
+    assert 'epp_kv_tokenizer_available{model="without"} 0.0' in text
+    assert 'epp_kv_tokenizer_available{model="with"} 1.0' in text
+    assert 'epp_kv_unkeyed_requests_total{model="without",reason="no_tokenizer"} 1.0' in text

@@ -7,10 +7,11 @@ import json
 import pytest
 
 from epp.requests import RequestError, api_kind_of, build_request, parse_body
-from epp.types import ApiKind
+from epp.types import ApiKind, ChatOptions
 
 CHAT = {":path": "/v1/chat/completions", "x-request-id": "abc"}
 COMPL = {":path": "/v1/completions"}
+MSG = b'{"model": "m", "messages": [{"role": "user", "content": "x"}]'  # + the rest of a chat body
 
 
 def req(headers: dict[str, str], body: object, objectives: dict[str, int] | None = None) -> object:
@@ -92,6 +93,12 @@ def test_unknown_objective_has_priority_zero_and_request_id_is_generated() -> No
         (COMPL, b'{"model": "m", "prompt": "x", "max_tokens": -1}', "'max_tokens'"),
         (COMPL, b'\xff\xfe{"model"', "not valid JSON"),
         (COMPL, b'{"model": "m", "prompt": "x", "cache_salt": 5}', "'cache_salt'"),
+        (CHAT, MSG + b', "add_generation_prompt": "yes"}', "'add_generation_prompt' must be a boolean"),
+        (CHAT, MSG + b', "continue_final_message": 1}', "'continue_final_message' must be a boolean"),
+        (CHAT, MSG + b', "continue_final_message": true}', "cannot both be true"),
+        (CHAT, MSG + b', "tools": {"type": "function"}}', "'tools' must be a list of objects"),
+        (CHAT, MSG + b', "documents": ["a"]}', "'documents' must be a list of objects"),
+        (CHAT, MSG + b', "chat_template_kwargs": [1]}', "'chat_template_kwargs' must be an object"),
     ],
 )
 def test_bad_bodies_are_400_with_a_clear_message(headers: dict[str, str], raw: bytes, needle: str) -> None:
@@ -99,6 +106,29 @@ def test_bad_bodies_are_400_with_a_clear_message(headers: dict[str, str], raw: b
         build_request(headers, parse_body(raw), {}, len(raw))
     assert err.value.status == 400
     assert needle in err.value.message
+
+
+def test_chat_fields_that_change_the_rendered_prompt_are_kept() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": tools,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    r = build_request(CHAT, body, {})
+    assert r.chat == ChatOptions(
+        add_generation_prompt=False,
+        continue_final_message=True,
+        tools=tools,
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    plain = build_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {})
+    assert plain.chat is None  # the defaults
+    nulls = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": None, "documents": None}
+    assert build_request(CHAT, nulls, {}).chat is None
 
 
 def test_header_only_request_has_no_model() -> None:

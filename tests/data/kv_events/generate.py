@@ -119,6 +119,7 @@ def removed(m: Any, tier: str, **fields: Any) -> tuple[Any, Json]:
         "type": "BlockRemoved",
         "block_hashes": [u64(h) for h in fields["block_hashes"]],
         "tier": tier,
+        "group": fields.get("group_idx"),
     }
     return m.BlockRemoved(**fields), expected
 
@@ -139,11 +140,18 @@ def batch(
     extra = {dp_field: dp} if dp_field else {}
     obj = m.KVEventBatch(ts=TS, events=[e for e, _ in events], **extra)
     expected = [x for _, x in events if x is not None]
-    return (
-        stem,
-        obj,
-        {"ts": TS, "data_parallel_rank": dp, "skipped": len(events) - len(expected), "events": expected},
-    )
+    partial: list[int] = []  # the groups of the skipped events, in order of appearance
+    for e, x in events:
+        group = getattr(e, "group_idx", None)
+        if x is None and group is not None and group not in partial:
+            partial.append(group)
+    head = {
+        "ts": TS,
+        "data_parallel_rank": dp,
+        "skipped": len(events) - len(expected),
+        "partial_groups": partial,
+    }
+    return stem, obj, {**head, "events": expected}
 
 
 def tokens(start: int, n: int) -> list[int]:
@@ -346,7 +354,13 @@ def hand_built() -> Iterator[tuple[str, bytes, Json]]:
     enc = msgspec.msgpack.encode
 
     def exp(events: list[Json], dp: int | None = None, skipped: int = 0, ts: float = TS) -> Json:
-        return {"ts": ts, "data_parallel_rank": dp, "skipped": skipped, "events": events}
+        return {
+            "ts": ts,
+            "data_parallel_rank": dp,
+            "skipped": skipped,
+            "partial_groups": [],
+            "events": events,
+        }
 
     def st(hashes: list[int], tier: str, **kw: Any) -> Json:
         return {
@@ -392,7 +406,7 @@ def hand_built() -> Iterator[tuple[str, bytes, Json]]:
                 st([1], "storage"),
                 st([2], "storage"),
                 st([3], "storage"),
-                {"type": "BlockRemoved", "block_hashes": [1], "tier": "storage"},
+                {"type": "BlockRemoved", "block_hashes": [1], "tier": "storage", "group": None},
             ],
             dp=0,
         ),
@@ -437,7 +451,7 @@ def hand_built() -> Iterator[tuple[str, bytes, Json]]:
             [
                 st([1], "gpu"),
                 st([2], "gpu"),
-                {"type": "BlockRemoved", "block_hashes": [2], "tier": "gpu"},
+                {"type": "BlockRemoved", "block_hashes": [2], "tier": "gpu", "group": 0},
                 {"type": "AllBlocksCleared"},
                 {"type": "AllBlocksCleared"},
             ]
@@ -466,7 +480,7 @@ def hand_built() -> Iterator[tuple[str, bytes, Json]]:
             [
                 st([1], "gpu"),
                 st([2], "gpu", parent_block_hash=1),
-                {"type": "BlockRemoved", "block_hashes": [1], "tier": "gpu"},
+                {"type": "BlockRemoved", "block_hashes": [1], "tier": "gpu", "group": None},
             ],
             dp=3,
             ts=1767225600,
