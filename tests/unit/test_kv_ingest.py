@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from epp.kvindex import ingest as ingest_module
 from epp.kvindex.events import KNOWN_TIERS, BlockRemoved, BlockStored, decode_batch
 from epp.kvindex.freshness import Freshness, FreshnessTracker
 from epp.kvindex.index import BlockIndex
-from epp.kvindex import ingest as ingest_module
 from epp.kvindex.ingest import Applied, Dropped, KvIngest, NeedReplay, salt_of
 from epp.kvindex.keys import block_keys, root_key
 from epp.testing.fakes import FakeClock
