@@ -26,6 +26,10 @@ class ConfigError(ValueError):
             loc += f": field {field!r}"
         super().__init__(f"{loc}: {message}")
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, str, str]]:
+        """Pickled with its four fields (a worker process's error reaches its parent intact)."""
+        return type(self), (self.source, self.where, self.field, self.message)
+
 
 class _Struct(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
     pass

@@ -18,12 +18,15 @@ Writes `summary.json` (each policy mapped to its figures, named with their units
 records and PNG plots under `--out`, prints the table, and shows a progress bar on a terminal.
 The policies run side by side in `--jobs` worker processes (default: one per core, at most one per
 policy; the figures are the same as one after the other).
-Bad input exits with status 2 and a message naming the file and line or the flag.
+Bad input exits with status 2 and a message naming the file and line or the flag. A policy that
+rejects requests (its router found no pod for them) is reported with them; if no policy completed
+any request, the results are still written and the status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import subprocess
@@ -43,6 +46,7 @@ from simulator.parallel import replay_parallel
 from simulator.replay import resolve
 from simulator.serving import command as serve_engine
 from simulator.traces import (
+    ARRIVALS,
     TraceError,
     TraceRequest,
     agentic,
@@ -62,8 +66,8 @@ def _positive(kind: type[int] | type[float]) -> Any:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
 
     return parse
@@ -85,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate", type=_positive(float), default=10.0, help="synthetic: requests (or sessions) per s"
     )
     r.add_argument("--rate-scale", type=_positive(float), default=1.0, help="speed the trace up (>1) or down")
+    r.add_argument(
+        "--arrivals", choices=ARRIVALS, help="synthetic: arrival process of requests or sessions (poisson)"
+    )
+    r.add_argument(
+        "--arrival-cv",
+        type=_positive(float),
+        help="synthetic, --arrivals gamma: coefficient of variation of the gaps (default 1; >1 burstier)",
+    )
     r.add_argument("--pods", type=_positive(int), default=16)
     r.add_argument(
         "--policies",
@@ -149,8 +161,11 @@ def run_engine_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str, str | None]:
+    """The trace, its source (a path or `synthetic:WORKLOAD`) and its file format (None: synthetic)."""
     if args.trace:
+        if args.arrivals or args.arrival_cv is not None:
+            raise ValueError("--arrivals and --arrival-cv are for --workload; a --trace has its own arrivals")
         path = pathlib.Path(args.trace)
         fmt = args.trace_format or ("azure" if path.suffix.lower() == ".csv" else "mooncake")
         try:
@@ -160,27 +175,42 @@ def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
         except UnicodeDecodeError as err:
             raise TraceError(str(path), None, f"not UTF-8 text (byte {err.start})") from None
         reader = read_azure if fmt == "azure" else read_mooncake
-        return reader(text, str(path), seed=args.seed), str(path)
+        return reader(text, str(path), seed=args.seed), str(path), fmt
     workload = args.workload or "shared-prefix"
     n, rate, seed = args.requests, args.rate, args.seed
+    process, cv = args.arrivals or "poisson", args.arrival_cv
+    if cv is not None and process != "gamma":
+        raise ValueError("--arrival-cv needs --arrivals gamma (Poisson gaps have a CV of 1)")
+    cv = 1.0 if cv is None else cv
     if workload == "shared-prefix":
         groups = max(1, n // 5)
-        trace = shared_prefix(groups, 5, 2000, 400, 100, rate, seed)
+        trace = shared_prefix(groups, 5, 2000, 400, 100, rate, seed, process, cv)
     elif workload == "multi-turn":
-        trace = multi_turn(max(1, n // 5), 5, 600, 150, 150, rate / 5, seed=seed)
+        trace = multi_turn(max(1, n // 5), 5, 600, 150, 150, rate / 5, seed=seed, process=process, cv=cv)
     else:
-        trace = agentic(max(1, n // 6), 6, 1500, 200, 300, 100, rate / 6, seed=seed)
-    return trace, f"synthetic:{workload}"
+        trace = agentic(max(1, n // 6), 6, 1500, 200, 300, 100, rate / 6, seed=seed, process=process, cv=cv)
+    return trace, f"synthetic:{workload}", None
 
 
-def _commit() -> str:
+def _git(*args: str) -> str | None:
+    """`git ARGS` in the repository holding this package (not the working directory); None if it fails."""
+    here = pathlib.Path(__file__).resolve().parent
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=5, check=False
         )
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _commit() -> tuple[str, bool | None]:
+    """The simulator's commit, and whether tracked files differ from it (None: unknown, no git)."""
+    head = (_git("rev-parse", "HEAD") or "").strip()
+    if not head:
+        return "unknown", None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return head, None if status is None else bool(status.strip())
 
 
 def _version() -> str:
@@ -194,9 +224,11 @@ def run_replay(args: argparse.Namespace) -> int:
     names = resolve(args.policies)
     if not 0.0 <= args.event_loss < 1.0:
         raise ValueError(f"--event-loss must be in [0, 1), got {args.event_loss}")
-    if not 0.0 <= args.event_delay < float("inf") or args.cpu_blocks < 0:
-        raise ValueError("--event-delay must be a finite number >= 0 and --cpu-blocks >= 0")
-    trace, source = load_trace(args)
+    if not 0.0 <= args.event_delay < float("inf"):
+        raise ValueError(f"--event-delay must be a finite number >= 0, got {args.event_delay}")
+    if args.cpu_blocks < 0:
+        raise ValueError(f"--cpu-blocks must be >= 0, got {args.cpu_blocks}")
+    trace, source, fmt = load_trace(args)
     if args.rate_scale != 1.0:
         trace = scale_rate(trace, args.rate_scale)
     room = (args.num_gpu_blocks - 1) * args.block_size
@@ -229,12 +261,16 @@ def run_replay(args: argparse.Namespace) -> int:
         result = replay_parallel(trace, names, cluster, jobs, bar.update)
     finally:
         bar.close()
+    commit, dirty = _commit()
+    gamma = not args.trace and args.arrivals == "gamma"
     meta = {
         "trace": source,
-        "trace_format": args.trace_format,
+        "trace_format": fmt,
         "workload": None if args.trace else (args.workload or "shared-prefix"),
         "synthetic_requests": None if args.trace else args.requests,
         "synthetic_rate": None if args.trace else args.rate,
+        "arrivals": None if args.trace else (args.arrivals or "poisson"),
+        "arrival_cv": (args.arrival_cv or 1.0) if gamma else None,
         "policies": names,
         "requests": len(trace),
         "pods": args.pods,
@@ -248,11 +284,16 @@ def run_replay(args: argparse.Namespace) -> int:
         "cpu_blocks": args.cpu_blocks,
         "latency_profile": args.latency_profile,
         "version": _version(),
-        "commit": _commit(),
+        "commit": commit,
+        "dirty": dirty,
     }
     report.write(out, result.summary, result.records, meta, result.bounds)
     print(report.table(result.summary, result.bounds))
     print(f"results in {out}/ (summary.json, records-*.jsonl, ttft_cdf.png, hit_rates.png)")
+    if not any(figures["requests"] for figures in result.summary.values()):
+        lines = "; ".join(report.rejections(result.summary))
+        print(f"epp-sim: no policy completed any request: {lines}", file=sys.stderr)
+        return 1
     return 0
 
 

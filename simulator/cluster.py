@@ -1,7 +1,8 @@
 """A simulated cluster: N engines behind the production router, on one event kernel. Pure.
 
 The router side is the EPP's own code, built and fed the way the server does it:
-`epp.config.build_scheduler` from the policy's config file, a `Datastore` of endpoints whose
+`epp.config.build_scheduler` from the policy's config file (its KV index sized by the config's
+`index` section, as `epp serve` sizes it), a `Datastore` of endpoints whose
 metrics are "scraped" from the engines every `scrape_interval` seconds
 (`Engine.metrics` = what the scraper reads from vLLM's `/metrics`), the `BlockIndex` fed by
 `KvIngest.on_live` with each engine's real KV-event payloads after `event_delay` seconds (a
@@ -9,7 +10,8 @@ fraction `event_loss` of them dropped, as a lossy PUB/SUB would), and the reques
 `epp.accounting` (prefill backlog until the first token, calibration, release at the end).
 The router never reads an engine's internals — except for the `oracle` policy, labelled as
 such: it scrapes every engine at every arrival and sees events at once and without loss, to
-show what staleness costs.
+show what staleness costs. A request the router finds no pod for (`SchedulingError`: a filter left
+none) is rejected: recorded with status `rejected`, never served.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
+import numpy.typing as npt
+
 from epp import accounting
+from epp.clock import Clock
 from epp.config import EppConfig, build_scheduler
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
@@ -33,12 +39,13 @@ from epp.kvindex.service import SERVICE_KEY as KV_KEY
 from epp.kvindex.service import KvIndexService
 from epp.scheduling.builtin import default_registry
 from epp.scheduling.errors import SchedulingError
+from epp.scheduling.scheduler import Scheduler
 from epp.types import ApiKind, Decision, InferenceRequest
 from simulator.engine import Engine, EngineConfig
 from simulator.kernel import Kernel
 from simulator.latency import DEFAULT_PROFILE
 from simulator.records import RequestRecord as EngineRecord
-from simulator.records import SimRequest
+from simulator.records import SimRequest, as_token_array, fed_tokens
 from simulator.results import RequestRecord
 from simulator.traces import TraceRequest
 
@@ -51,7 +58,6 @@ class ClusterConfig:
     scrape_interval: float = 0.05  # seconds between metric scrapes of each engine
     event_delay: float = 0.002  # seconds from an engine publishing KV events to the router applying them
     event_loss: float = 0.0  # fraction of KV-event messages lost
-    index_block_size: int = 16
     seed: int = 0
 
     def check(self) -> None:
@@ -79,6 +85,43 @@ def pod_address(i: int) -> str:
     return f"10.{i // 62500}.{i // 250 % 250}.{i % 250}:8000"
 
 
+def sim_request(r: TraceRequest, context: object = None) -> SimRequest:
+    """What the engine serving trace request `r` is given."""
+    return SimRequest(
+        str(r.index), r.prompt, max(r.output_tokens, 1), output_token_ids=r.answer, context=context
+    )
+
+
+def computed_tokens(r: TraceRequest) -> npt.NDArray[np.int64]:
+    """The tokens an engine computes KV for when it serves `r` (as `Engine.submit` takes them): the
+    prompt, then the generated tokens it feeds back (all but the last)."""
+    sim = sim_request(r)
+    return fed_tokens(sim, as_token_array(sim.prompt_token_ids), sim.max_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    """The EPP's side of a cluster, built as `epp serve` builds it: the KV index (sized by the config's
+    `index` section) with its freshness and lookup service, the cost model and the scheduler."""
+
+    index: BlockIndex
+    freshness: FreshnessTracker
+    kv: KvIndexService
+    cost: CostModel
+    scheduler: Scheduler
+
+
+def build_router(config: EppConfig, clock: Clock, seed: int) -> Router:
+    """A policy's router; ConfigError (naming the config's source) when a plugin cannot be built."""
+    index = BlockIndex(config.index.block_size, config.index.max_entries)
+    freshness = FreshnessTracker()
+    kv = KvIndexService(index, freshness, TokenizerRegistry({}), config.index.block_size)
+    cost = CostModel(config.cost_model)
+    services = {KV_KEY: kv, COST_KEY: cost}
+    scheduler = build_scheduler(config, default_registry(), clock, random.Random(seed + 1), None, services)
+    return Router(index, freshness, kv, cost, scheduler)
+
+
 class Cluster:
     def __init__(
         self,
@@ -95,15 +138,10 @@ class Cluster:
         self.model = cluster.engine.model
         self._rng = random.Random(cluster.seed)  # event loss
         self.datastore = Datastore(k)
-        self.index = BlockIndex(cluster.index_block_size)
-        self.freshness = FreshnessTracker()
+        router = build_router(config, k, cluster.seed)
+        self.index, self.freshness, self.kv = router.index, router.freshness, router.kv
+        self.cost, self.scheduler = router.cost, router.scheduler
         self.ingest = KvIngest(self.index, self.freshness, lambda pod: self.model)
-        self.kv = KvIndexService(self.index, self.freshness, TokenizerRegistry({}), cluster.index_block_size)
-        self.cost = CostModel(config.cost_model)
-        services = {KV_KEY: self.kv, COST_KEY: self.cost}
-        self.scheduler = build_scheduler(
-            config, default_registry(), k, random.Random(cluster.seed + 1), None, services
-        )
         self.pods = [pod_address(i) for i in range(cluster.pods)]
         self.engines: dict[str, Engine] = {}
         for pod in self.pods:
@@ -200,15 +238,16 @@ class Cluster:
         except SchedulingError:
             self.rejected += 1
             self._pending -= 1
+            rejected = RequestRecord.rejected(r.index, r.arrival, len(r.prompt))
+            self.records.append(rejected)
+            if self.on_done is not None:
+                self.on_done(rejected)
             return
         if decision.mode:
             self.modes[decision.mode] += 1
         ticket = accounting.begin(self.datastore, request, decision, now, True, self.cost)
         flight = _InFlight(r.index, r.arrival, request, decision, ticket, now)
-        sim = SimRequest(
-            request.request_id, r.prompt, max(r.output_tokens, 1), output_token_ids=r.answer, context=flight
-        )
-        self.engines[decision.primary].submit(sim)
+        self.engines[decision.primary].submit(sim_request(r, flight))
 
     def _first_token(self, rec: EngineRecord, now: float) -> None:
         f: _InFlight = rec.request.context

@@ -4,14 +4,16 @@ Each policy's run is independent (a fresh cluster from the same seed), so runnin
 gives exactly the figures `replay.replay` gives one after the other, in as many times less wall time
 as there are cores for them. Workers are forked: they inherit the trace, the cluster settings and the
 compiled loops instead of unpickling and compiling them; they send back each policy's `PolicyRun`
-and, every `_TICK` requests, how many they finished (the progress bar). An exception in a worker is
-raised here, with its own message; a worker that dies (killed, out of memory) is a ValueError that
-says so. Where fork does not exist, the policies run here, one after the other.
+and, every `_TICK` requests, how many they finished or rejected (the progress bar). An exception in a
+worker is raised here, with its own message (as a ValueError if it cannot be pickled); a worker that
+dies (killed, out of memory) is a ValueError that says so. Where fork does not exist, the policies run
+here, one after the other.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -43,9 +45,22 @@ def _run(name: str) -> PolicyRun:
         if finished % _TICK == 0:
             done.put(_TICK)
 
-    run = run_policy(_work["trace"], name, _work["cluster"], tick)
+    try:
+        run = run_policy(_work["trace"], name, _work["cluster"], tick)
+    except Exception as err:
+        raise _sendable(err) from None
     done.put(finished % _TICK)
     return run
+
+
+def _sendable(err: Exception) -> Exception:
+    """`err`, or a ValueError with its message if it would not survive the trip to the parent (where
+    it would break the pool and be reported as a dead worker)."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return ValueError(str(err))
+    return err
 
 
 def replay_parallel(

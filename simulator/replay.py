@@ -1,7 +1,7 @@
 """Replay one trace against every chosen policy on identical simulated clusters. Pure (no I/O here).
 
 Each policy gets a fresh cluster (same engines, same seed), so the figures differ only by the
-routing. `progress` is called once per finished request, across policies.
+routing. `progress` is called once per finished or rejected request, across policies.
 """
 
 from __future__ import annotations
@@ -10,26 +10,32 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from simulator import policies
-from simulator.cluster import Cluster, ClusterConfig
-from simulator.results import RequestRecord, cache_bounds, summarize
+from simulator.cluster import Cluster, ClusterConfig, build_router, computed_tokens
+from simulator.kernel import Kernel
+from simulator.results import Figures, RequestRecord, cache_bounds, summarize
 from simulator.traces import TraceRequest
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
-    summary: dict[str, dict[str, float]]
-    records: dict[str, list[RequestRecord]]
+    summary: dict[str, Figures]
+    records: dict[str, list[RequestRecord]]  # completed and rejected, by trace index
     bounds: dict[str, float]
     rejected: dict[str, int]
 
 
 def resolve(names: str | Sequence[str]) -> list[str]:
     """`all`, or comma-separated policies: shipped names, or EPP config files (`PATH.yaml`,
-    `NAME=PATH.yaml`, read and checked now). ValueError naming the unknown ones, a file that cannot be
-    read or parsed, or two policies going by one name."""
+    `NAME=PATH.yaml`, read and checked now: their routers are built, as each run builds them).
+    ValueError naming the unknown ones, a file that cannot be read, parsed or built (`ConfigError`), two
+    policies going by one name, or `all` beside other policies."""
     known = policies.names()
     given = names.split(",") if isinstance(names, str) else list(names)
-    wanted = known if names == "all" else [n.strip() for n in given if n.strip()]
+    wanted = [n.strip() for n in given if n.strip()]
+    if "all" in wanted:
+        if len(wanted) > 1:
+            raise ValueError(f"'all' cannot be combined with other policies, got {','.join(wanted)!r}")
+        wanted = known
     unknown = [n for n in wanted if n not in known and not policies.is_file(n)]
     if unknown or not wanted:
         raise ValueError(
@@ -43,13 +49,14 @@ def resolve(names: str | Sequence[str]) -> list[str]:
         if name in seen:
             raise ValueError(f"policies {seen[name]!r} and {spec!r} both go by {name!r}; name one NAME=PATH")
         seen[name] = spec
+        build_router(policies.load(spec), Kernel(), 0)  # every plugin built now, not in a worker later
     return wanted
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyRun:
-    """One policy's run of the trace: its records (by trace index), rejections, the cluster's pods and
-    its picks by mode."""
+    """One policy's run of the trace: its records (completed and rejected, by trace index), how many it
+    rejected, the cluster's pods and its picks by mode."""
 
     name: str
     records: list[RequestRecord]
@@ -74,16 +81,16 @@ def assemble(
     runs: Sequence[PolicyRun], trace: Sequence[TraceRequest], cluster: ClusterConfig
 ) -> ReplayResult:
     """The result of policies' runs of one trace: their figures side by side, and the trace's bounds."""
-    summary: dict[str, dict[str, float]] = {}
+    summary: dict[str, Figures] = {}
     for run in runs:
         figures = summarize(run.records, run.pods)
-        figures["rejected"] = float(run.rejected)
         picks = sum(run.modes.values())
         for mode in ("cache-aware", "degraded", "load-only"):  # share of picks; 0 for cache-blind policies
             figures[f"picks_{mode.replace('-', '_')}_rate"] = run.modes.get(mode, 0) / picks if picks else 0.0
         summary[run.name] = figures
     capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1 + cluster.engine.cpu_blocks)
-    bounds = cache_bounds((r.prompt for r in trace), cluster.engine.block_size, capacity)
+    computed = ((r.prompt, computed_tokens(r)) for r in trace)  # answers' blocks count too
+    bounds = cache_bounds(computed, cluster.engine.block_size, capacity)
     records = {run.name: run.records for run in runs}
     return ReplayResult(summary, records, bounds, {run.name: run.rejected for run in runs})
 

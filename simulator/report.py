@@ -1,7 +1,8 @@
 """Writing a replay's results: `summary.json`, per-request records, PNG plots and a printed table.
 
-`summary.json` maps each policy name to its figures (named with their units) and carries the run's
-metadata (trace, pods, seed, version, commit) and the trace's cache bounds.
+`summary.json` maps each policy name to its figures (named with their units; null where a policy
+completed no request) and carries the run's metadata (trace, pods, seed, version, commit) and the
+trace's cache bounds. The records files hold every request, completed or rejected (`status`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt
 import numpy as np
 
-from simulator.results import RequestRecord
+from simulator.results import Figures, RequestRecord
 
 TABLE_COLUMNS = (
     ("ttft_mean_s", "TTFT mean", 1e3, "ms"),
@@ -31,18 +32,39 @@ TABLE_COLUMNS = (
     ("token_hit_rate", "tok hit", 100.0, "%"),
     ("request_hit_rate", "req hit", 100.0, "%"),
     ("load_imbalance", "imbal", 1.0, "x"),
+    ("rejected_requests", "rejected", 1.0, ""),
 )
 
 
-def table(summary: Mapping[str, Mapping[str, float]], bounds: Mapping[str, float] | None = None) -> str:
-    """The policies side by side, one row each."""
+def _cell(value: float | None, scale: float) -> str:
+    if value is None:
+        return "-"
+    v = value * scale
+    return f"{v:.2f}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def rejections(summary: Mapping[str, Figures]) -> list[str]:
+    """One line per policy that rejected requests: how many, and what its figures are made of."""
+    lines = []
+    for policy, figures in summary.items():
+        rejected, done = int(figures["rejected_requests"] or 0), int(figures["requests"] or 0)
+        if rejected:
+            of = f"{rejected} of {rejected + done} requests" if done else f"all {rejected} requests"
+            tail = f"its figures are those of the {done} it completed" if done else "it has no figures"
+            lines.append(f"{policy} rejected {of} (the router found no pod for them); {tail}")
+    return lines
+
+
+def table(summary: Mapping[str, Figures], bounds: Mapping[str, float] | None = None) -> str:
+    """The policies side by side, one row each ("-": no figure, the policy completed no request)."""
     head = ["policy", *(f"{name} ({unit})" if unit else name for _, name, _, unit in TABLE_COLUMNS)]
     rows = [head]
     for policy, figures in summary.items():
         row = [policy]
         for key, _, scale, _ in TABLE_COLUMNS:
-            value = figures.get(key, float("nan")) * scale
-            row.append(f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}")
+            value = figures.get(key)
+            count = key == "rejected_requests" and value is not None
+            row.append(str(int(value or 0)) if count else _cell(value, scale))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [
@@ -55,12 +77,13 @@ def table(summary: Mapping[str, Mapping[str, float]], bounds: Mapping[str, float
             f"{bounds['infinite_cache_token_hit_rate'] * 100:.1f}%, of one LRU with the cluster's capacity "
             f"{bounds['cluster_lru_token_hit_rate'] * 100:.1f}%"
         )
+    lines += rejections(summary)
     return "\n".join(lines)
 
 
 def write(
     out: pathlib.Path,
-    summary: Mapping[str, Mapping[str, float]],
+    summary: Mapping[str, Figures],
     records: Mapping[str, Sequence[RequestRecord]],
     meta: Mapping[str, Any],
     bounds: Mapping[str, float],
@@ -84,14 +107,14 @@ def write(
 
 def plots(
     out: pathlib.Path,
-    summary: Mapping[str, Mapping[str, float]],
+    summary: Mapping[str, Figures],
     records: Mapping[str, Sequence[RequestRecord]],
     bounds: Mapping[str, float],
 ) -> list[pathlib.Path]:
     names = list(summary)
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in names:
-        ttft = np.sort([r.ttft_s for r in records[name]])
+        ttft = np.sort([r.ttft_s for r in records[name] if r.ttft_s is not None])  # completed ones
         if ttft.size:
             ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
     ax.set_xscale("log")
@@ -99,7 +122,8 @@ def plots(
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT distribution by policy")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    if ax.lines:  # (no line when no policy completed a request)
+        ax.legend(fontsize="small")
     ttft_path = out / "ttft_cdf.png"
     fig.tight_layout()
     fig.savefig(ttft_path, dpi=110)
@@ -107,8 +131,8 @@ def plots(
 
     fig, ax = plt.subplots(figsize=(8, 5))
     x = np.arange(len(names))
-    ax.bar(x - 0.2, [summary[n]["token_hit_rate"] * 100 for n in names], 0.4, label="token hit rate")
-    ax.bar(x + 0.2, [summary[n]["request_hit_rate"] * 100 for n in names], 0.4, label="request hit rate")
+    for shift, key in ((-0.2, "token_hit_rate"), (0.2, "request_hit_rate")):  # none completed: no bar
+        ax.bar(x + shift, [(summary[n][key] or 0.0) * 100 for n in names], 0.4, label=key.replace("_", " "))
     for key, style in (("infinite_cache_token_hit_rate", "--"), ("cluster_lru_token_hit_rate", ":")):
         if key in bounds:
             ax.axhline(bounds[key] * 100, linestyle=style, color="gray", label=key.replace("_", " "))

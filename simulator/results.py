@@ -2,7 +2,8 @@
 
 Every figure in `summarize` is named with its unit (`ttft_p99_s`, `token_hit_rate`, ...), as
 `summary.json` carries them. Hit rates are the engines' real ones (what their prefix caches
-served), not what the router believed.
+served), not what the router believed. A request the router found no pod for is a record too
+(status `rejected`, no pod, no times), counted apart from the completed requests' figures.
 """
 
 from __future__ import annotations
@@ -15,30 +16,40 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import numpy.typing as npt
 
+COMPLETED = "completed"
+REJECTED = "rejected"  # the router found no pod for it (e.g. a filter left none): never served
+
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     index: int  # position in the trace
     arrival_s: float
-    pod: str
+    pod: str | None  # None when rejected
     prompt_tokens: int
     cached_tokens: int  # served from the engine's GPU prefix cache
     loaded_tokens: int  # reloaded from the engine's CPU tier
     output_tokens: int
-    first_token_s: float  # absolute simulated times
-    finished_s: float
+    first_token_s: float | None  # absolute simulated times; None when rejected
+    finished_s: float | None
+    status: str = COMPLETED  # or REJECTED
+
+    @classmethod
+    def rejected(cls, index: int, arrival_s: float, prompt_tokens: int) -> RequestRecord:
+        return cls(index, arrival_s, None, prompt_tokens, 0, 0, 0, None, None, REJECTED)
 
     @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
     @property
-    def e2e_s(self) -> float:
-        return self.finished_s - self.arrival_s
+    def e2e_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.arrival_s
 
     @property
-    def tpot_s(self) -> float:
+    def tpot_s(self) -> float | None:
         """Time per output token after the first (0 for single-token outputs)."""
+        if self.first_token_s is None or self.finished_s is None:
+            return None
         if self.output_tokens <= 1:
             return 0.0
         return (self.finished_s - self.first_token_s) / (self.output_tokens - 1)
@@ -47,6 +58,17 @@ class RequestRecord:
         doc = asdict(self)
         doc.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s)
         return doc
+
+
+Figures = dict[str, float | None]
+"""A policy's figures by name; None where there is nothing to measure (it completed no request)."""
+
+FIGURES = tuple(
+    [f"{m}_{s}_s" for m in ("ttft", "tpot", "e2e") for s in ("mean", "p50", "p90", "p99")]
+    + ["throughput_rps", "output_tokens_per_s", "token_hit_rate", "gpu_token_hit_rate"]
+    + ["request_hit_rate", "load_imbalance", "makespan_s"]
+)
+"""The figures of the completed requests (besides `requests`, `rejected_requests`, `rejected_rate`)."""
 
 
 def _pct(values: npt.NDArray[np.float64], q: float) -> float:
@@ -62,32 +84,47 @@ def _stats(prefix: str, values: npt.NDArray[np.float64]) -> dict[str, float]:
     }
 
 
-def summarize(records: Sequence[RequestRecord], pods: Sequence[str]) -> dict[str, float]:
-    """The figures of one policy's run. `pods`: every pod of the cluster (idle ones count for imbalance)."""
+def summarize(records: Sequence[RequestRecord], pods: Sequence[str]) -> Figures:
+    """The figures of one policy's run. `pods`: every pod of the cluster (idle ones count for imbalance).
+    `requests` counts the completed requests and every other figure is theirs; the rejected ones count
+    in `rejected_requests` and `rejected_rate` (of all requests) only. With none completed, the figures
+    of `FIGURES` are None."""
     if not records:
-        raise ValueError("no completed requests to summarize")
-    ttft = np.array([r.ttft_s for r in records])
-    tpot = np.array([r.tpot_s for r in records if r.output_tokens > 1])
-    e2e = np.array([r.e2e_s for r in records])
-    prompt = sum(r.prompt_tokens for r in records)
-    reused = sum(r.cached_tokens + r.loaded_tokens for r in records)
-    start = min(r.arrival_s for r in records)
-    end = max(r.finished_s for r in records)
+        raise ValueError("no requests to summarize")
+    done = [r for r in records if r.status == COMPLETED]
+    rejected = len(records) - len(done)
+    out: Figures = {
+        "requests": float(len(done)),
+        "rejected_requests": float(rejected),
+        "rejected_rate": rejected / len(records),
+    }
+    if not done:
+        out.update(dict.fromkeys(FIGURES))
+        return out
+    rows = [(r.arrival_s, r.first_token_s, r.finished_s) for r in done]
+    times = np.array(rows, dtype=np.float64).reshape(-1, 3)  # arrival, first token, finish
+    outputs = np.array([r.output_tokens for r in done])
+    ttft = times[:, 1] - times[:, 0]
+    several = outputs > 1
+    tpot = (times[several, 2] - times[several, 1]) / (outputs[several] - 1)
+    e2e = times[:, 2] - times[:, 0]
+    prompt = sum(r.prompt_tokens for r in done)
+    reused = sum(r.cached_tokens + r.loaded_tokens for r in done)
+    start = float(times[:, 0].min())
+    end = float(times[:, 2].max())
     span = max(end - start, 1e-9)
-    per_pod = Counter(r.pod for r in records)
+    per_pod = Counter(r.pod for r in done)
     counts = np.array([per_pod.get(p, 0) for p in pods], dtype=np.float64)
-    out: dict[str, float] = {"requests": float(len(records))}
     out.update(_stats("ttft", ttft))
     out.update(_stats("tpot", tpot))
     out.update(_stats("e2e", e2e))
     out.update(
         {
-            "throughput_rps": len(records) / span,
-            "output_tokens_per_s": sum(r.output_tokens for r in records) / span,
+            "throughput_rps": len(done) / span,
+            "output_tokens_per_s": sum(r.output_tokens for r in done) / span,
             "token_hit_rate": reused / prompt if prompt else 0.0,
-            "gpu_token_hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
-            "request_hit_rate": sum(1 for r in records if r.cached_tokens + r.loaded_tokens > 0)
-            / len(records),
+            "gpu_token_hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
+            "request_hit_rate": sum(1 for r in done if r.cached_tokens + r.loaded_tokens > 0) / len(done),
             "load_imbalance": float(counts.max() / counts.mean()) if counts.mean() > 0 else 0.0,
             "makespan_s": span,
         }
@@ -96,19 +133,29 @@ def summarize(records: Sequence[RequestRecord], pods: Sequence[str]) -> dict[str
 
 
 def cache_bounds(
-    prompts: Iterable[npt.NDArray[np.int32]], block_size: int, capacity_blocks: int
+    requests: Iterable[tuple[npt.NDArray[np.integer], npt.NDArray[np.integer]]],
+    block_size: int,
+    capacity_blocks: int,
 ) -> dict[str, float]:
-    """Token hit rates no router can beat on this trace: one infinite shared cache (every full block seen
-    before is reused), and one LRU cache of the cluster's total capacity (`capacity_blocks`), both on
-    full blocks of `block_size` from the start of each prompt, with vLLM's cap of len-1 tokens."""
+    """Token hit rates no router can beat on this trace: one infinite shared cache (every full block
+    computed before is reused), and one LRU cache of the cluster's total capacity (`capacity_blocks`).
+
+    `requests`, in arrival order: each one's prompt and the tokens an engine computes KV for when it
+    serves it (the prompt, then the generated tokens it feeds back). Each prompt is looked up (full
+    blocks of `block_size` from its start, with vLLM's cap of len-1 tokens), then every full block of
+    its computed tokens goes into both caches: the blocks its answer completes count from its arrival,
+    the earliest an engine could hold them, so a later turn resending the answer hits them here
+    whenever it could on an engine."""
     seen: set[bytes] = set()
     lru: OrderedDict[bytes, None] = OrderedDict()
     total = inf_hits = lru_hits = 0
-    for prompt in prompts:
+    for prompt, computed in requests:
         n = len(prompt)
+        if len(computed) < n or not np.array_equal(computed[:n], prompt):
+            raise ValueError("a request's computed tokens must start with its prompt")
         total += n
         full = (n - 1) // block_size if n else 0
-        keys = _chain(prompt, block_size, n // block_size)
+        keys = _chain(computed, block_size, len(computed) // block_size)
         inf = lru_run = 0
         inf_open = lru_open = True
         for i, key in enumerate(keys):
@@ -137,12 +184,12 @@ def cache_bounds(
     }
 
 
-def _chain(prompt: npt.NDArray[np.int32], block_size: int, blocks: int) -> list[bytes]:
+def _chain(tokens: npt.NDArray[np.integer], block_size: int, blocks: int) -> list[bytes]:
     """Chained identities of the full blocks: block i's identity covers every token up to its end."""
     out = []
     prev = b""
-    data = np.ascontiguousarray(prompt[: blocks * block_size], dtype=np.int32).tobytes()
-    step = block_size * 4
+    data = np.ascontiguousarray(tokens[: blocks * block_size], dtype=np.int64).tobytes()
+    step = block_size * 8
     for i in range(blocks):
         prev = hashlib.blake2b(prev + data[i * step : (i + 1) * step], digest_size=16).digest()
         out.append(prev)

@@ -13,7 +13,7 @@ share content, so prefix reuse in the trace becomes prefix reuse in the engines'
 - **Generators**: `shared_prefix` (groups of prompts sharing a system prompt, like
   inference-perf's `shared_prefix`), `multi_turn` (chat sessions whose every turn resends the
   whole conversation so far), `agentic` (loops whose context grows by tool output each step);
-  Poisson or gamma arrivals.
+  requests, sessions or loops start at Poisson or gamma arrivals (`process`, `cv`).
 
 `scale_rate(trace, factor)` speeds a trace up (factor > 1) or slows it down. Errors are
 `TraceError`s naming the file and line.
@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 MOONCAKE_BLOCK = 512
+ARRIVALS = ("poisson", "gamma")
 VOCAB = 32_000
 Tokens = npt.NDArray[np.int32]
 
@@ -168,20 +169,21 @@ def _timestamp(source: str, line: int, value: str | None) -> float:
 def arrivals(
     n: int, rate: float, rng: random.Random, process: str = "poisson", cv: float = 1.0
 ) -> list[float]:
-    """`n` arrival times at `rate` per second: Poisson, or gamma with coefficient of variation `cv`."""
+    """`n` arrival times at `rate` per second: Poisson, or gamma with coefficient of variation `cv` of
+    the gaps (1 is Poisson's; above it burstier, below it more regular)."""
     if rate <= 0 or not math.isfinite(rate):
         raise ValueError(f"rate must be a positive number, got {rate}")
+    if process not in ARRIVALS:
+        raise ValueError(f"arrival process must be poisson or gamma, got {process!r}")
+    if process == "gamma" and not (cv > 0 and math.isfinite(cv)):
+        raise ValueError(f"cv must be a finite number > 0, got {cv}")
+    shape = 1.0 / (cv * cv) if process == "gamma" else 0.0
     t, out = 0.0, []
     for _ in range(n):
         if process == "poisson":
             t += rng.expovariate(rate)
-        elif process == "gamma":
-            if cv <= 0:
-                raise ValueError(f"cv must be > 0, got {cv}")
-            shape = 1.0 / (cv * cv)
-            t += rng.gammavariate(shape, 1.0 / (shape * rate))
         else:
-            raise ValueError(f"arrival process must be poisson or gamma, got {process!r}")
+            t += rng.gammavariate(shape, 1.0 / (shape * rate))
         out.append(t)
     return out
 
@@ -195,14 +197,15 @@ def shared_prefix(
     rate: float,
     seed: int = 0,
     process: str = "poisson",
+    cv: float = 1.0,
 ) -> list[TraceRequest]:
     """`groups` x `prompts_per_group` prompts; those of a group share a `system_tokens` system prompt,
-    each has its own question. Prompts arrive in random order."""
+    each has its own question. Prompts arrive in random order (`arrivals(process, cv)`)."""
     rng = random.Random(seed)
     src = TokenSource(seed)
     prompts = [(g, q) for g in range(groups) for q in range(prompts_per_group)]
     rng.shuffle(prompts)
-    times = arrivals(len(prompts), rate, rng, process)
+    times = arrivals(len(prompts), rate, rng, process, cv)
     out = []
     for i, ((g, q), t) in enumerate(zip(prompts, times, strict=True)):
         prompt = np.concatenate(
@@ -222,15 +225,17 @@ def multi_turn(
     think_time: float = 5.0,
     seed: int = 0,
     answer_token_s: float = 0.03,
+    process: str = "poisson",
+    cv: float = 1.0,
 ) -> list[TraceRequest]:
-    """Chat sessions starting at `rate` per second; each turn resends the conversation so far (system
-    prompt, earlier user messages and answers) plus a new user message, `think_time` seconds (mean,
-    exponential) after the previous turn's expected end (its arrival plus `output_tokens x
-    answer_token_s`). Each request carries its answer's tokens (`answer`), so the engine generates
-    exactly what the next turn resends."""
+    """Chat sessions starting at `rate` per second (`arrivals(process, cv)`); each turn resends the
+    conversation so far (system prompt, earlier user messages and answers) plus a new user message,
+    `think_time` seconds (mean, exponential) after the previous turn's expected end (its arrival plus
+    `output_tokens x answer_token_s`). Each request carries its answer's tokens (`answer`), so the
+    engine generates exactly what the next turn resends."""
     rng = random.Random(seed)
     src = TokenSource(seed)
-    starts = arrivals(sessions, rate, rng)
+    starts = arrivals(sessions, rate, rng, process, cv)
     out: list[TraceRequest] = []
     for s, start in enumerate(starts):
         context = src.tokens("sys", s % 8, system_tokens)  # a few system prompts shared across sessions
@@ -257,12 +262,15 @@ def agentic(
     step_gap: float = 1.0,
     seed: int = 0,
     answer_token_s: float = 0.03,
+    process: str = "poisson",
+    cv: float = 1.0,
 ) -> list[TraceRequest]:
-    """Agent loops: each step resends the whole context, grown by the last output and a tool result;
-    a step starts `step_gap` seconds (mean, exponential) after the previous one's expected end."""
+    """Agent loops starting at `rate` per second (`arrivals(process, cv)`): each step resends the whole
+    context, grown by the last output and a tool result; a step starts `step_gap` seconds (mean,
+    exponential) after the previous one's expected end."""
     rng = random.Random(seed)
     src = TokenSource(seed)
-    starts = arrivals(loops, rate, rng)
+    starts = arrivals(loops, rate, rng, process, cv)
     out: list[TraceRequest] = []
     for a, start in enumerate(starts):
         context = np.concatenate(

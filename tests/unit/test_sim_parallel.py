@@ -4,9 +4,11 @@ report their progress, and a worker's failure is a clear error."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 
+from epp.config import ConfigError
 from simulator import parallel
 from simulator.cli import main
 from simulator.cluster import ClusterConfig
@@ -49,6 +51,54 @@ def test_a_workers_exception_is_raised_with_its_message(monkeypatch: pytest.Monk
     monkeypatch.setattr(parallel, "run_policy", fail)  # (forked workers inherit the patch)
     with pytest.raises(ValueError, match="policy exploded in the worker"):
         parallel.replay_parallel(small_trace(), NAMES, SMALL, jobs=2)
+
+
+def test_a_config_error_pickles_with_its_fields() -> None:
+    err = pickle.loads(pickle.dumps(ConfigError("p.yaml", "plugin 'x'", "type", "unknown plugin type")))
+    assert isinstance(err, ConfigError)
+    assert (err.source, err.where, err.field, err.message) == (
+        "p.yaml",
+        "plugin 'x'",
+        "type",
+        "unknown plugin type",
+    )
+    assert str(err) == "p.yaml: plugin 'x': field 'type': unknown plugin type"
+
+
+def test_a_workers_config_error_is_raised_as_such_not_as_a_dead_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fail(*_args: object) -> None:
+        raise ConfigError("mine.yaml", "plugin 'x'", "type", "unknown plugin type")
+
+    monkeypatch.setattr(parallel, "run_policy", fail)
+    with pytest.raises(ConfigError, match=r"mine\.yaml: plugin 'x'"):
+        parallel.replay_parallel(small_trace(), NAMES, SMALL, jobs=2)
+
+
+class _Unpicklable(Exception):
+    def __init__(self, a: str, b: str) -> None:  # pickle rebuilds it with one argument: TypeError
+        super().__init__(f"{a} {b}")
+
+
+def test_a_workers_exception_that_cannot_be_pickled_keeps_its_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fail(*_args: object) -> None:
+        raise _Unpicklable("odd", "failure")
+
+    monkeypatch.setattr(parallel, "run_policy", fail)
+    with pytest.raises(ValueError, match=r"^odd failure$"):
+        parallel.replay_parallel(small_trace(), NAMES, SMALL, jobs=2)
+
+
+def test_rejected_requests_tick_the_progress_of_workers() -> None:
+    cluster = ClusterConfig(pods=2, engine=EngineConfig(num_gpu_blocks=2048), scrape_interval=1000.0, seed=3)
+    trace = shared_prefix(4, 4, system_tokens=100, question_tokens=20, output_tokens=5, rate=0.2, seed=2)
+    seen: list[int] = []
+    result = parallel.replay_parallel(trace, ["ttft", "random"], cluster, jobs=2, advance=seen.append)
+    assert result.rejected["ttft"] == len(trace)  # (its staleness filter: metrics 1,000 s old)
+    assert sum(seen) == 2 * len(trace)
 
 
 def test_a_worker_that_dies_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -240,3 +240,62 @@ def test_the_router_sees_kv_events_exactly_event_delay_after_they_are_published(
         recs = {r.index: r for r in c.run(trace)}
         assert recs[0].first_token_s == published
     assert known == {"before": 0, "at": 0, "after": 64}
+
+
+@pytest.mark.parametrize("workload", ["multi-turn", "agentic"])
+def test_no_policy_beats_the_infinite_cache_bound_when_answers_are_resent(workload: str) -> None:
+    """Multi-turn and agentic prompts resend earlier answers, whose blocks the engines cached as they
+    generated them: the bound counts them, so it stays above every policy's hit rate (counting only
+    prompts' blocks, it would not)."""
+    from simulator.results import cache_bounds
+    from simulator.traces import agentic, multi_turn
+
+    if workload == "multi-turn":
+        trace = multi_turn(8, 5, 600, 150, 150, rate=1.0, seed=1)
+    else:
+        trace = agentic(6, 6, 1500, 200, 300, 100, rate=0.8, seed=1)
+    cfg = ClusterConfig(pods=2, engine=EngineConfig(num_gpu_blocks=4096), seed=1)
+    result = replay(trace, resolve("all"), cfg)
+    bound = result.bounds["infinite_cache_token_hit_rate"]
+    hits = {name: s["token_hit_rate"] for name, s in result.summary.items()}
+    assert all(h is not None and h <= bound + 1e-12 for h in hits.values()), (hits, bound)
+    assert result.bounds["cluster_lru_token_hit_rate"] <= bound
+    prompts_only = cache_bounds([(r.prompt, r.prompt) for r in trace], 16, 10**9)
+    assert max(h or 0.0 for h in hits.values()) > prompts_only["infinite_cache_token_hit_rate"]
+
+
+def test_a_policy_s_index_section_sizes_its_router_s_index() -> None:
+    """As `epp serve` does: the index's block size and entry bound come from the policy's config."""
+    from epp.config import parse_config
+
+    def run(index: str) -> Cluster:
+        c = Cluster(parse_config(policies.config_text("ttft") + index, "p.yaml"), SMALL)
+        c.run(small_trace())
+        return c
+
+    default, big, bounded = run(""), run("index: {blockSize: 32}\n"), run("index: {maxEntries: 50}\n")
+    assert (default.index.block_size, default.kv.block_size, default.index.max_entries) == (16, 16, 10**7)
+    assert (big.index.block_size, big.kv.block_size) == (32, 32)
+    # the engines' 16-token blocks, indexed in 32-token blocks: half the entries
+    assert big.index.stats().entries * 2 == default.index.stats().entries > 0
+    assert big.modes["cache-aware"] > 0
+    assert bounded.index.max_entries == 50 and bounded.index.stats().evicted > 0
+
+
+def test_rejected_requests_are_recorded_counted_and_reported_as_done() -> None:
+    """Scraped every 1,000 s, the metrics are older than ttft's staleness filter allows (2 s) at every
+    arrival after the first scrape's: no pod passes, the request is rejected."""
+    trace = shared_prefix(2, 5, system_tokens=100, question_tokens=20, output_tokens=5, rate=0.1, seed=1)
+    cfg = ClusterConfig(pods=2, engine=EngineConfig(num_gpu_blocks=256), scrape_interval=1000.0, seed=1)
+    seen: list[int] = []
+    result = replay(trace, ["ttft", "random"], cfg, progress=lambda r: seen.append(r.index))
+    assert sorted(seen) == sorted([r.index for r in trace] * 2)  # every request done, rejected or not
+    ttft, rand = result.summary["ttft"], result.summary["random"]
+    assert result.rejected == {"ttft": len(trace), "random": 0}
+    assert (ttft["requests"], ttft["rejected_requests"], ttft["rejected_rate"]) == (0, len(trace), 1.0)
+    assert ttft["ttft_mean_s"] is None and ttft["token_hit_rate"] is None
+    assert (rand["requests"], rand["rejected_requests"]) == (len(trace), 0)
+    recs = result.records["ttft"]
+    assert [r.index for r in recs] == list(range(len(trace)))
+    assert {(r.status, r.pod, r.first_token_s) for r in recs} == {("rejected", None, None)}
+    assert {r.status for r in result.records["random"]} == {"completed"}

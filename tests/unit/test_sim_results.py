@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from simulator import report
-from simulator.results import RequestRecord, cache_bounds, summarize
+from simulator.results import FIGURES, REJECTED, RequestRecord, cache_bounds, summarize
 
 
 def rec(
@@ -45,8 +45,35 @@ def test_summary_figures_are_named_with_units_and_computed_from_records() -> Non
     assert s["load_imbalance"] == pytest.approx(3 / (4 / 3))  # a served 3, mean over 3 pods 4/3
     assert s["throughput_rps"] == pytest.approx(4 / 4.3)
     assert s["output_tokens_per_s"] == pytest.approx(34 / 4.3)
-    with pytest.raises(ValueError, match="no completed requests"):
+    assert (s["rejected_requests"], s["rejected_rate"]) == (0, 0)
+    with pytest.raises(ValueError, match="no requests to summarize"):
         summarize([], ["a"])
+
+
+def test_rejected_requests_are_counted_apart_from_the_figures_of_the_completed_ones() -> None:
+    done = [rec(0, "a", 0.0, 0.5, 1.5, cached=50), rec(2, "b", 2.0, 2.3, 4.3)]
+    rejected = [RequestRecord.rejected(1, 1.0, 100), RequestRecord.rejected(3, 3.0, 80)]
+    s = summarize([done[0], rejected[0], done[1], rejected[1]], ["a", "b"])
+    assert s == {**summarize(done, ["a", "b"]), "rejected_requests": 2, "rejected_rate": 0.5}
+    assert s["requests"] == 2 and s["token_hit_rate"] == pytest.approx(50 / 200)
+    doc = rejected[0].to_json()
+    assert doc["status"] == REJECTED and doc["pod"] is None
+    assert doc["ttft_s"] is None and doc["e2e_s"] is None and doc["tpot_s"] is None
+    assert done[0].to_json()["status"] == "completed"
+
+
+def test_a_policy_that_completed_nothing_has_null_figures_and_a_dash_row() -> None:
+    s = summarize([RequestRecord.rejected(0, 0.0, 10), RequestRecord.rejected(1, 1.0, 10)], ["a"])
+    assert (s["requests"], s["rejected_requests"], s["rejected_rate"]) == (0, 2, 1.0)
+    assert set(s) == set(summarize([rec(0, "a", 0.0, 0.5, 1.5)], ["a"]))  # the same figures, null
+    assert all(s[key] is None for key in FIGURES)
+    fine = summarize([rec(0, "a", 0.0, 0.5, 1.5), RequestRecord.rejected(1, 1.0, 10)], ["a"])
+    text = report.table({"ttft": s, "random": fine})
+    ttft_row, random_row = text.splitlines()[1:3]
+    assert ttft_row.split()[1:] == ["-"] * 10 + ["2"]  # every figure "-", then the rejected column
+    assert random_row.split()[-1] == "1"
+    assert "ttft rejected all 2 requests" in text and "it has no figures" in text
+    assert "random rejected 1 of 2 requests" in text and "those of the 1 it completed" in text
 
 
 def test_cache_bounds_infinite_and_cluster_lru() -> None:
@@ -54,13 +81,35 @@ def test_cache_bounds_infinite_and_cluster_lru() -> None:
     a = np.arange(1, 17, dtype=np.int32)  # 4 blocks
     b = np.concatenate([a[:8], np.arange(100, 108, dtype=np.int32)])  # shares 2 blocks with a
     c = np.arange(200, 216, dtype=np.int32)
-    bounds = cache_bounds([a, b, c, a], bs, capacity_blocks=1000)
+    bounds = cache_bounds([(p, p) for p in (a, b, c, a)], bs, capacity_blocks=1000)
     # hits: b 8 tokens, a again 12 tokens (the last block is capped: len-1); of 64 prompt tokens
     assert bounds["infinite_cache_token_hit_rate"] == pytest.approx(20 / 64)
     assert bounds["cluster_lru_token_hit_rate"] == pytest.approx(20 / 64)
-    small = cache_bounds([a, b, c, a], bs, capacity_blocks=4)  # c pushes a's blocks out before a returns
+    small = cache_bounds(
+        [(p, p) for p in (a, b, c, a)], bs, capacity_blocks=4
+    )  # c pushes a's blocks out before a returns
     assert small["cluster_lru_token_hit_rate"] == pytest.approx(8 / 64)
     assert small["infinite_cache_token_hit_rate"] == pytest.approx(20 / 64)
+
+
+def test_cache_bounds_count_the_blocks_an_answer_completes() -> None:
+    """Turn 2 resends turn 1's prompt and answer: its blocks are hits as on an engine, which caches the
+    blocks its generated tokens fill (all tokens but the last are fed back)."""
+    bs = 4
+    prompt1 = np.arange(1, 7, dtype=np.int32)  # 6 tokens: 1 full block
+    answer = np.arange(50, 57, dtype=np.int32)  # 7 generated; 6 fed back: 12 computed, 3 full blocks
+    computed1 = np.concatenate([prompt1, answer[:6]])
+    prompt2 = np.concatenate([prompt1, answer, np.arange(90, 95, dtype=np.int32)])  # 18 tokens
+    bounds = cache_bounds([(prompt1, computed1), (prompt2, prompt2)], bs, capacity_blocks=1000)
+    # turn 2 hits the 3 blocks turn 1 computed (12 tokens), of 6 + 18 prompt tokens
+    assert bounds["infinite_cache_token_hit_rate"] == pytest.approx(12 / 24)
+    assert bounds["cluster_lru_token_hit_rate"] == pytest.approx(12 / 24)
+    prompts_only = cache_bounds([(prompt1, prompt1), (prompt2, prompt2)], bs, capacity_blocks=1000)
+    assert prompts_only["infinite_cache_token_hit_rate"] == pytest.approx(4 / 24)  # the old, beatable one
+    tiny = cache_bounds([(prompt1, computed1), (prompt2, prompt2)], bs, capacity_blocks=2)
+    assert tiny["cluster_lru_token_hit_rate"] == 0.0  # the answer's blocks pushed the prompt's out
+    with pytest.raises(ValueError, match="start with its prompt"):
+        cache_bounds([(prompt2, prompt1)], bs, capacity_blocks=10)
 
 
 def test_report_writes_summary_records_and_plots(tmp_path: pathlib.Path) -> None:

@@ -161,3 +161,33 @@ def test_azure_rows_out_of_time_order_and_a_bom_are_fine() -> None:
     text = "\ufeffTIMESTAMP,ContextTokens,GeneratedTokens\n10,5,1\n4,6,1\n7,7,1\n"
     trace = read_azure(text, "a.csv")
     assert [(r.arrival, len(r.prompt)) for r in trace] == [(0.0, 6), (3.0, 7), (6.0, 5)]
+
+
+@pytest.mark.parametrize("kind", ["multi-turn", "agentic"])
+def test_sessions_and_loops_start_at_the_chosen_arrival_process(kind: str) -> None:
+    def make(**arrival: object) -> list:  # type: ignore[type-arg]
+        if kind == "multi-turn":
+            return multi_turn(200, 2, 20, 10, 5, rate=4.0, seed=3, **arrival)  # type: ignore[arg-type]
+        return agentic(200, 2, 20, 10, 10, 5, rate=4.0, seed=3, **arrival)  # type: ignore[arg-type]
+
+    def starts(trace: list) -> list[float]:  # type: ignore[type-arg]
+        first: dict[str, float] = {}
+        for r in trace:
+            first.setdefault(r.session, r.arrival)
+        return sorted(first.values())
+
+    gamma = starts(make(process="gamma", cv=3.0))
+    assert gamma == pytest.approx(arrivals(200, 4.0, random.Random(3), "gamma", cv=3.0))
+    assert starts(make()) == pytest.approx(arrivals(200, 4.0, random.Random(3)))  # Poisson by default
+    with pytest.raises(ValueError, match="poisson or gamma"):
+        make(process="uniform")
+    with pytest.raises(ValueError, match="cv must be a finite number > 0"):
+        make(process="gamma", cv=0.0)
+
+
+def test_a_bad_gamma_cv_is_refused_before_any_arrival() -> None:
+    for cv in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="cv must be a finite number > 0"):
+            arrivals(1, 1.0, random.Random(0), "gamma", cv=cv)
+    with pytest.raises(ValueError, match="poisson or gamma"):
+        arrivals(0, 1.0, random.Random(0), "uniform")

@@ -1,0 +1,184 @@
+"""`epp-sim replay`'s flags and what it reports: rejected requests, arrival processes, policies checked
+before anything runs, bad values named, and the run's metadata."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+from simulator import cli
+from simulator.cli import main
+from simulator.traces import agentic, multi_turn, shared_prefix
+
+REPO = pathlib.Path(cli.__file__).resolve().parents[1]
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
+QUICK = ["replay", "--no-progress", "--jobs", "1", "--pods", "1", "--num-gpu-blocks", "1024"]
+
+BAD_POLICY = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: no-such-plugin
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: no-such-plugin
+"""
+
+
+def summary(out: pathlib.Path) -> dict:  # type: ignore[type-arg]
+    return json.loads((out / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_a_policy_that_rejects_everything_is_reported_and_the_others_still_are(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ttft's staleness filter refuses metrics scraped 1,000 s apart: every request is rejected."""
+    out = tmp_path / "out"
+    args = ["--requests", "10", "--rate", "0.1", "--scrape-interval", "1000", "--out", str(out)]
+    assert main([*QUICK, *args, "--policies", "ttft,random"]) == 0
+    doc = summary(out)["policies"]
+    assert (doc["ttft"]["requests"], doc["ttft"]["rejected_requests"], doc["ttft"]["rejected_rate"]) == (
+        0,
+        10,
+        1,
+    )
+    assert doc["ttft"]["ttft_p99_s"] is None and doc["ttft"]["token_hit_rate"] is None
+    assert (doc["random"]["requests"], doc["random"]["rejected_requests"]) == (10, 0)
+    lines = [json.loads(line) for line in (out / "records-ttft.jsonl").read_text().splitlines()]
+    assert len(lines) == 10 and {(d["status"], d["pod"], d["ttft_s"]) for d in lines} == {
+        ("rejected", None, None)
+    }
+    printed = capsys.readouterr().out
+    assert "rejected" in printed.splitlines()[0]  # the table's column
+    assert "ttft rejected all 10 requests" in printed
+
+    assert main([*QUICK, *args, "--policies", "ttft", "--out", str(tmp_path / "all")]) == 1
+    assert "no policy completed any request: ttft rejected all 10 requests" in capsys.readouterr().err
+    assert summary(tmp_path / "all")["policies"]["ttft"]["rejected_requests"] == 10  # still written
+
+
+def test_a_policy_file_that_does_not_build_fails_before_anything_runs(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It parses (so reading it is not enough) but names a plugin type that does not exist."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_POLICY)
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a simulation started")
+
+    monkeypatch.setattr(cli, "replay_parallel", never)
+    out = tmp_path / "out"
+    assert (
+        main(["replay", "--no-progress", "--jobs", "2", "--policies", f"random,{bad}", "--out", str(out)])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"<policy {bad}>: plugin 'no-such-plugin'" in err and "unknown plugin type" in err
+    assert "worker" not in err and not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn", "agentic"])
+def test_arrivals_gamma_drives_every_synthetic_workload(tmp_path: pathlib.Path, workload: str) -> None:
+    out = tmp_path / "out"
+    args = [
+        "--workload",
+        workload,
+        "--requests",
+        "12",
+        "--rate",
+        "2",
+        "--policies",
+        "random",
+        "--out",
+        str(out),
+    ]
+    assert main([*QUICK, *args, "--arrivals", "gamma", "--arrival-cv", "3"]) == 0
+    got = [json.loads(line)["arrival_s"] for line in (out / "records-random.jsonl").read_text().splitlines()]
+    if workload == "shared-prefix":
+        want = shared_prefix(2, 5, 2000, 400, 100, 2.0, 1, "gamma", 3.0)
+    elif workload == "multi-turn":
+        want = multi_turn(2, 5, 600, 150, 150, 0.4, seed=1, process="gamma", cv=3.0)
+    else:
+        want = agentic(2, 6, 1500, 200, 300, 100, 2 / 6, seed=1, process="gamma", cv=3.0)
+    assert got == [r.arrival for r in want]
+    meta = summary(out)["meta"]
+    assert (meta["arrivals"], meta["arrival_cv"]) == ("gamma", 3.0)
+    assert main([*QUICK, *args, "--out", str(tmp_path / "poisson")]) == 0
+    poisson = summary(tmp_path / "poisson")["meta"]
+    assert (poisson["arrivals"], poisson["arrival_cv"]) == ("poisson", None)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--arrival-cv", "2"], "--arrival-cv needs --arrivals gamma"),
+        (["--arrivals", "poisson", "--arrival-cv", "2"], "--arrival-cv needs --arrivals gamma"),
+        (["--trace", str(DATA / "azure_sample.csv"), "--arrivals", "gamma"], "are for --workload"),
+        (["--cpu-blocks", "-1"], "--cpu-blocks must be >= 0, got -1"),
+        (["--policies", "all,ttft"], "'all' cannot be combined with other policies"),
+        (["--policies", "ttft,all"], "'all' cannot be combined with other policies"),
+    ],
+)
+def test_bad_values_are_named(
+    tmp_path: pathlib.Path, args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*QUICK, "--requests", "10", "--out", str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    if "--cpu-blocks" in args:
+        assert "--event-delay" not in err
+    assert not (tmp_path / "o" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--scrape-interval", "inf"], "--scrape-interval: must be a finite number > 0, got inf"),
+        (["--scrape-interval", "0"], "--scrape-interval: must be a finite number > 0"),
+        (["--rate", "inf"], "--rate: must be a finite number > 0"),
+        (["--arrivals", "uniform"], "--arrivals: invalid choice: 'uniform'"),
+        (["--arrivals", "gamma", "--arrival-cv", "0"], "--arrival-cv: must be a finite number > 0"),
+        (["--arrivals", "gamma", "--arrival-cv", "nan"], "--arrival-cv: must be a finite number > 0"),
+        (["--arrivals", "gamma", "--arrival-cv", "inf"], "--arrival-cv: must be a finite number > 0"),
+    ],
+)
+def test_bad_flag_values_are_refused_by_the_parser(
+    args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*QUICK, *args])
+    assert exit_.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_meta_has_the_format_used_and_the_commit_of_the_simulator_s_repository(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    monkeypatch.chdir(tmp_path)  # not a repository: the commit comes from where the package lives
+    for trace, fmt in (("azure_sample.csv", "azure"), ("mooncake_sample.jsonl", "mooncake")):
+        out = tmp_path / fmt
+        assert main([*QUICK, "--trace", str(DATA / trace), "--policies", "random", "--out", str(out)]) == 0
+        meta = summary(out)["meta"]
+        assert meta["trace_format"] == fmt  # inferred from the extension
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+    ).stdout
+    assert (meta["commit"], meta["dirty"]) == (head.strip(), bool(status.strip()))
+
+
+def test_without_git_the_commit_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_git(*_args: object, **_kwargs: object) -> None:
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert cli._commit() == ("unknown", None)
