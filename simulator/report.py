@@ -129,7 +129,7 @@ def plots(
     fig.savefig(ttft_path, dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     x = np.arange(len(names))
     for shift, key in ((-0.2, "token_hit_rate"), (0.2, "request_hit_rate")):  # none completed: no bar
         ax.bar(x + shift, [(summary[n][key] or 0.0) * 100 for n in names], 0.4, label=key.replace("_", " "))
@@ -139,7 +139,8 @@ def plots(
     ax.set_xticks(x, names, rotation=30, ha="right")
     ax.set_ylabel("%")
     ax.set_title("Prefix cache hit rates by policy")
-    ax.legend(fontsize="small")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not on them
     hits_path = out / "hit_rates.png"
     fig.tight_layout()
     fig.savefig(hits_path, dpi=110)
