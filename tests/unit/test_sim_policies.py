@@ -49,3 +49,16 @@ def test_every_policy_builds_and_picks(name: str) -> None:
 def test_an_unknown_policy_lists_the_known_ones() -> None:
     with pytest.raises(KeyError, match="known: dynamo-kv, gie-default"):
         policies.config_text("best-effort")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_least_load_is_not_random_when_nothing_waits(seed: int) -> None:
+    """At low load nothing waits anywhere: least-load then picks the pod with the fewest requests in
+    flight (a queue-only policy would pick at random); a queue, when there is one, comes first."""
+    sched = build_scheduler(
+        policies.load("least-load"), default_registry(), FakeClock(1000.0), random.Random(seed), services={}
+    )
+    idle = [endpoint("10.0.0.1:80", in_flight=3), endpoint("10.0.0.2:80", in_flight=1)]
+    assert sched.schedule(token_request([1, 2, 3]), idle).decision.primary == "10.0.0.2:80"
+    queued = [endpoint("10.0.0.1:80", in_flight=3), endpoint("10.0.0.2:80", waiting=2, in_flight=1)]
+    assert sched.schedule(token_request([1, 2, 3]), queued).decision.primary == "10.0.0.1:80"
