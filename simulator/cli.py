@@ -32,6 +32,7 @@ import pathlib
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from importlib import metadata
 from typing import Any
 
@@ -41,7 +42,7 @@ from simulator import report
 from simulator.cluster import ClusterConfig
 from simulator.engine import EngineConfig
 from simulator.engine_replay import EngineReplayError, engine_replay
-from simulator.latency import DEFAULT_PROFILE, PROFILES
+from simulator.latency import DEFAULT_PROFILE, PROFILES, LatencyProfile
 from simulator.parallel import replay_parallel
 from simulator.replay import resolve
 from simulator.serving import command as serve_engine
@@ -111,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-gpu-blocks", type=_positive(int), default=4096, help="per engine")
     r.add_argument("--block-size", type=_positive(int), default=16)
     r.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier per engine (0: none)")
+    r.add_argument(
+        "--cpu-bandwidth",
+        type=_positive(float),
+        default=None,
+        help="GB/s from the CPU tier back to the GPU (default: the latency profile's)",
+    )
+    r.add_argument(
+        "--max-num-batched-tokens", type=_positive(int), default=8192, help="token budget of an engine step"
+    )
+    r.add_argument("--max-num-seqs", type=_positive(int), default=256, help="requests running at most")
     r.add_argument("--latency-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument(
@@ -228,6 +239,11 @@ def run_replay(args: argparse.Namespace) -> int:
         raise ValueError(f"--event-delay must be a finite number >= 0, got {args.event_delay}")
     if args.cpu_blocks < 0:
         raise ValueError(f"--cpu-blocks must be >= 0, got {args.cpu_blocks}")
+    if args.max_num_seqs > args.max_num_batched_tokens:
+        raise ValueError(
+            f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be >= --max-num-seqs "
+            f"({args.max_num_seqs}): every running request decodes one token a step"
+        )
     trace, source, fmt = load_trace(args)
     if args.rate_scale != 1.0:
         trace = scale_rate(trace, args.rate_scale)
@@ -244,12 +260,19 @@ def run_replay(args: argparse.Namespace) -> int:
     except OSError as err:
         raise ValueError(f"--out {out}: cannot create the results directory: {err.strerror}") from None
     engine = EngineConfig(
-        num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        cpu_blocks=args.cpu_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
     )
+    latency: str | LatencyProfile = args.latency_profile
+    if args.cpu_bandwidth is not None:
+        latency = replace(PROFILES[args.latency_profile], cpu_bandwidth_bytes_per_s=args.cpu_bandwidth * 1e9)
     cluster = ClusterConfig(
         pods=args.pods,
         engine=engine,
-        latency=args.latency_profile,
+        latency=latency,
         scrape_interval=args.scrape_interval,
         event_delay=args.event_delay,
         event_loss=args.event_loss,
@@ -282,6 +305,9 @@ def run_replay(args: argparse.Namespace) -> int:
         "num_gpu_blocks": args.num_gpu_blocks,
         "block_size": args.block_size,
         "cpu_blocks": args.cpu_blocks,
+        "cpu_bandwidth_gb_per_s": args.cpu_bandwidth,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
         "latency_profile": args.latency_profile,
         "version": _version(),
         "commit": commit,

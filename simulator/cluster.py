@@ -43,7 +43,7 @@ from epp.scheduling.scheduler import Scheduler
 from epp.types import ApiKind, Decision, InferenceRequest
 from simulator.engine import Engine, EngineConfig
 from simulator.kernel import Kernel
-from simulator.latency import DEFAULT_PROFILE
+from simulator.latency import DEFAULT_PROFILE, LatencyProfile
 from simulator.records import RequestRecord as EngineRecord
 from simulator.records import SimRequest, as_token_array, fed_tokens
 from simulator.results import RequestRecord
@@ -54,7 +54,7 @@ from simulator.traces import TraceRequest
 class ClusterConfig:
     pods: int = 16
     engine: EngineConfig = field(default_factory=EngineConfig)
-    latency: str = DEFAULT_PROFILE
+    latency: str | LatencyProfile = DEFAULT_PROFILE  # a name in `latency.PROFILES`, or a profile
     scrape_interval: float = 0.05  # seconds between metric scrapes of each engine
     event_delay: float = 0.002  # seconds from an engine publishing KV events to the router applying them
     event_loss: float = 0.0  # fraction of KV-event messages lost

@@ -190,9 +190,10 @@ async def test_garbage_is_counted_logged_and_never_stops_the_subscriber(
 
 
 @contextlib.asynccontextmanager
-async def replay_router(port: int, replies: list[list[bytes]]) -> AsyncIterator[list[int]]:
+async def replay_router(port: int, replies: list[list[list[bytes]]]) -> AsyncIterator[list[int]]:
     """An engine's replay ROUTER on 127.0.0.2:`port` that answers each request with the next list of
-    frames in `replies` (nothing once they run out) and records each request's start seq."""
+    messages in `replies` (each a list of frames; nothing once they run out) and records each request's
+    start seq."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"tcp://127.0.0.2:{port}")
@@ -218,7 +219,7 @@ async def replay_router(port: int, replies: list[list[bytes]]) -> AsyncIterator[
 
 def _idle_engine(port: int) -> zmq.Socket[bytes]:
     """A PUB socket that sends nothing: the SUB connects, and the first connection asks for a replay."""
-    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.2:{port}")
     return pub
 

@@ -121,6 +121,7 @@ def test_arrivals_gamma_drives_every_synthetic_workload(tmp_path: pathlib.Path, 
         (["--arrivals", "poisson", "--arrival-cv", "2"], "--arrival-cv needs --arrivals gamma"),
         (["--trace", str(DATA / "azure_sample.csv"), "--arrivals", "gamma"], "are for --workload"),
         (["--cpu-blocks", "-1"], "--cpu-blocks must be >= 0, got -1"),
+        (["--max-num-seqs", "300", "--max-num-batched-tokens", "256"], "must be >= --max-num-seqs (300)"),
         (["--policies", "all,ttft"], "'all' cannot be combined with other policies"),
         (["--policies", "ttft,all"], "'all' cannot be combined with other policies"),
     ],
@@ -182,3 +183,16 @@ def test_without_git_the_commit_is_unknown(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(subprocess, "run", no_git)
     assert cli._commit() == ("unknown", None)
+
+
+def test_engine_settings_reach_the_engines_and_the_meta(tmp_path: pathlib.Path) -> None:
+    """A smaller step budget makes long prompts take more steps (a slower TTFT); a slower CPU link is
+    recorded; both are in `meta`."""
+    args = [*QUICK, "--requests", "20", "--policies", "random"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    small = ["--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--cpu-bandwidth", "2.5"]
+    assert main([*args, *small, "--out", str(tmp_path / "b")]) == 0
+    a, b = summary(tmp_path / "a"), summary(tmp_path / "b")
+    assert b["meta"]["max_num_batched_tokens"] == 64 and b["meta"]["max_num_seqs"] == 8
+    assert b["meta"]["cpu_bandwidth_gb_per_s"] == 2.5 and a["meta"]["cpu_bandwidth_gb_per_s"] is None
+    assert b["policies"]["random"]["ttft_mean_s"] > a["policies"]["random"]["ttft_mean_s"]
