@@ -222,10 +222,40 @@ FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[Any, ...], Callabl
         "'max_completion_tokens'",
     ),
     # Fields the EPP passes on without reading: any value is fine.
-    "tools": (CHAT, CHAT_BODY, ("tools",), lambda v: True, ""),
+    "tools": (CHAT, CHAT_BODY, ("tools",), lambda v: _objects(v), "'tools'"),
+    "documents": (CHAT, CHAT_BODY, ("documents",), lambda v: _objects(v), "'documents'"),
+    "chat_template_kwargs": (
+        CHAT,
+        CHAT_BODY,
+        ("chat_template_kwargs",),
+        lambda v: v is None or isinstance(v, dict),
+        "'chat_template_kwargs'",
+    ),
+    "add_generation_prompt": (
+        CHAT,
+        CHAT_BODY,
+        ("add_generation_prompt",),
+        lambda v: v is None or isinstance(v, bool),
+        "'add_generation_prompt'",
+    ),
+    # (true as well: with add_generation_prompt's default, true, the pair is refused, naming both)
+    "continue_final_message": (
+        CHAT,
+        CHAT_BODY,
+        ("continue_final_message",),
+        lambda v: v is None or v is False,
+        "'continue_final_message'",
+    ),
     "content_part": (CHAT, CHAT_BODY, ("messages", 0, "content"), lambda v: True, ""),
     "temperature": (COMPL, COMPL_BODY, ("temperature",), lambda v: True, ""),
 }
+
+
+def _objects(v: Any) -> bool:
+    """None, or a list of objects: what `tools` and `documents` may be."""
+    return v is None or (isinstance(v, list) and all(isinstance(x, dict) for x in v))
+
+
 # A mix of plausible shapes and arbitrary JSON for the mutated field.
 field_values = st.one_of(
     json_values,
