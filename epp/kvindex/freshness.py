@@ -8,6 +8,8 @@ degraded ones still do (the index under-reports at worst).
   `unrecovered_gap` (events lost and not replayed, so the index may hold blocks the engine has
   evicted; the pod's entries are cleared and it stays stale until `recovery` seconds of in-order
   events),
+  `lost_events` (a message that did not decode: its events are lost; cleared and recovered as
+  `unrecovered_gap`),
   `restart_without_replay` (the engine restarted and its first events were missed), `silent`
   (no events for `silence` seconds while the engine's prefix-cache misses keep rising).
 - degraded: `replaying` (a gap is being replayed), `joined_late` (first seen mid-stream, or
@@ -107,6 +109,13 @@ class FreshnessTracker:
         p.misses_at_message = p.misses
         if p.stale_reason is not None and p.clean_since is None:
             p.clean_since = now
+
+    def lost_events(self, pod: str, now: float) -> None:
+        """A message arrived in order but did not decode: the pod's entries were cleared."""
+        p = self._pod(pod)
+        p.degraded_reason = "malformed"
+        p.degraded_until = now + self.hold
+        self._stale(p, "lost_events")
 
     def gap(self, pod: str, now: float, replaying: bool) -> None:
         p = self._pod(pod)

@@ -210,13 +210,18 @@ class KvIngest:
         try:
             batch = decode(payload)
         except DecodeError as err:
-            # The seq still counts as received: the loss shows as `malformed`, not as a gap. Not while
-            # replaying (the seq is the replay's progress; the replayed copy counts) or out of contact.
-            # Central mode (rank < 0) learns the rank from the payload: the seq counts for the pod's
-            # publisher that expected it next, if any (otherwise its next message shows the gap).
-            for pub in self._receivers(pod, rank, seq):
-                if not (pub.replaying or pub.lost_contact):
-                    pub.seq.advance(seq)
+            # Its events are lost, and they may have removed blocks: the pod's entries go and it is stale
+            # until `recovery` seconds of in-order events (`lost_events`), as after a gap that cannot be
+            # replayed (a replay would send the same bytes). The seq counts as received, so the next
+            # message is not a gap too. Not while replaying (the seq is the replay's progress; the
+            # replayed copy counts) or out of contact. Central mode (rank < 0) learns the rank from
+            # the payload: the seq counts for the pod's publisher that expected it next, if any.
+            pubs = [p for p in self._receivers(pod, rank, seq) if not (p.replaying or p.lost_contact)]
+            for pub in pubs:
+                pub.seq.advance(seq)
+            if pubs or rank < 0:
+                self.index.clear_pod(pod)
+                self.freshness.lost_events(pod, now)
             return self.drop(pod, err.reason, now, str(err))
         if rank < 0:
             rank = batch.data_parallel_rank or 0
@@ -369,6 +374,7 @@ class KvIngest:
             batch = decode(payload)
         except DecodeError as err:
             pub.seq.advance(seq)
+            pub.replay_hole = True  # its events are lost: the replay is incomplete (the pod is cleared)
             return self.drop(pod, err.reason, now, str(err))
         return self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
 
@@ -408,9 +414,12 @@ class KvIngest:
                 ok = False
             try:
                 batch = decode(payload)
-            except DecodeError as err:  # a replayed message merged into `held` undecoded
+            except DecodeError as err:  # a message held undecoded: its events are lost
                 pub.seq.advance(seq)
                 self.drop(pod, err.reason, now)
+                self.index.clear_pod(pod)
+                self.freshness.lost_events(pod, now)
+                ok = False
                 continue
             self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
             applied += 1

@@ -112,29 +112,36 @@ def test_restart_mid_stream_with_replay_replays_the_new_run_from_zero() -> None:
     assert ing.freshness.state(P, 2.2).state is Freshness.FRESH
 
 
-def test_malformed_payload_is_dropped_counted_and_does_not_look_like_a_gap() -> None:
+def test_a_payload_that_does_not_decode_loses_its_events_the_pod_is_cleared_and_stale() -> None:
+    """Its events may have removed blocks, and a replay would send the same bytes: the pod's entries
+    go, and it is stale (`lost_events`) until `recovery` seconds of in-order events. Its seq counts as
+    received: the next message is in order, not a gap."""
     ing = make()
     ing.on_live(P, 0, 0, B0, 1.0)
     assert ing.on_live(P, 0, 1, b"\xc1", 1.0) == Dropped("msgpack")
+    assert gpu(ing) == 0 and verdict(ing, 1.0) == (Freshness.STALE, "lost_events")
     assert ing.on_live(P, 0, 2, encode_batch([stored([9], None, toks(1, 90))]), 1.0) == Applied(1)
-    assert ing.counters[P].drops["msgpack"] == 1 and ing.counters[P].gaps == 0
-    assert ing.freshness.state(P, 1.0).reason == "malformed"
+    assert ing.counters[P].drops["msgpack"] == 1 and ing.counters[P].gaps == 0 and gpu(ing) == 1
+    assert verdict(ing, 1.0 + ing.freshness.recovery - 1) == (Freshness.STALE, "lost_events")
+    assert verdict(ing, 1.0 + ing.freshness.recovery + 1) == (Freshness.FRESH, "ok")
 
 
 def test_central_mode_a_malformed_payload_counts_for_the_rank_whose_stream_it_continues() -> None:
     """In central mode the rank comes from the payload (rank -1 here): a payload that does not decode is
-    counted for the pod's publisher that expected its seq next, as in per-pod mode; nothing is cleared."""
+    counted for the pod's publisher that expected its seq next, as in per-pod mode (no gap follows), and
+    the pod is cleared whichever rank sent it."""
     ing = make()
     ing.on_live(P, -1, 0, encode_batch([stored([1, 2], None, toks(2))], dp_rank=0), 1.0)
     ing.on_live(P, -1, 7, encode_batch([stored([5], None, toks(1, 70))], dp_rank=1), 1.0)
     assert ing.on_live(P, -1, 1, b"\xc1", 1.0) == Dropped("msgpack")  # rank 0's next
+    assert gpu(ing) == 0 and verdict(ing, 1.0) == (Freshness.STALE, "lost_events")
     after = encode_batch([stored([9], None, toks(1, 90))], dp_rank=0)
     assert ing.on_live(P, -1, 2, after, 1.0) == Applied(1)
-    assert ing.counters[P].gaps == 0 and gpu(ing) == 4
-    assert ing.on_live(P, -1, 5, b"\xc1", 1.0) == Dropped("msgpack")  # no rank's next: counted, no seq moves
-    assert ing.on_live(P, -1, 8, encode_batch([stored([6], 5, toks(1, 86))], dp_rank=1), 1.0) == Applied(1)
-    assert ing.counters[P].gaps == 0 and gpu(ing) == 5
-    assert ing.freshness.state(P, 1.0).reason == "malformed"
+    assert ing.counters[P].gaps == 0 and gpu(ing) == 1
+    assert ing.on_live(P, -1, 5, b"\xc1", 1.0) == Dropped("msgpack")  # no rank's next: cleared all the same
+    assert gpu(ing) == 0
+    assert ing.on_live(P, -1, 8, encode_batch([stored([6], None, toks(1, 86))], dp_rank=1), 1.0) == Applied(1)
+    assert ing.counters[P].gaps == 0 and gpu(ing) == 1
 
 
 def test_removed_and_cleared_events() -> None:
@@ -637,9 +644,10 @@ def test_a_message_held_live_and_replayed_takes_its_room_once() -> None:
     assert_same_index(ing, published(p), 4)
 
 
-def test_a_malformed_live_message_during_a_replay_does_not_skip_the_replay() -> None:
-    """Seq 3 is malformed at the source (live and replayed copies alike): it is counted as malformed,
-    and the replayed messages before it are still applied."""
+def test_a_malformed_message_in_a_replay_makes_it_incomplete() -> None:
+    """Seq 3 is malformed at the source (live and replayed copies alike): both copies are counted as
+    malformed, and since its events are lost the pod is cleared and stale when it comes to be applied
+    (the replayed copy is held with the live messages after the first held one)."""
     clock = FakeClock()
     good = chain(4)
     p = [good[0], good[1], good[2], b"\xc1", good[3]]  # good[3] chains to good[2]
@@ -650,9 +658,10 @@ def test_a_malformed_live_message_during_a_replay_does_not_skip_the_replay() -> 
     assert ing.on_live(P, 0, 4, p[4], clock.now()) == Applied(0)
     for seq in range(1, 5):
         ing.on_replayed(P, 0, seq, p[seq], clock.now())
+    assert chain_len(ing, 3) == 2  # seq 0, and seq 1 replayed (2 on are held: the live copies come last)
     ing.replay_finished(P, 0, clock.now(), complete=True)
-    assert chain_len(ing, 4) == 4 and ing.counters[P].orphans == 0
-    assert ing.counters[P].replays["complete"] == 1 and ing.counters[P].gaps == 1
+    assert chain_len(ing, 4) == 0 and ing.counters[P].orphans == 1  # seq 4 chains to a cleared block
+    assert ing.counters[P].replays["complete"] == 1 and ing.counters[P].gaps == 1  # (the replay itself)
     assert ing.counters[P].drops["msgpack"] == 2  # the live copy and the replayed one
     assert ing.last_seq[P] == 4
-    assert verdict(ing, clock.now()) == (Freshness.DEGRADED, "malformed")
+    assert verdict(ing, clock.now()) == (Freshness.STALE, "lost_events")

@@ -105,6 +105,17 @@ def test_transient_problems_degrade_for_the_hold_time(reason: str) -> None:
     assert f.state("p", 11.5).state is Freshness.FRESH
 
 
+def test_lost_events_are_stale_until_recovery_of_in_order_messages() -> None:
+    f = ft()
+    f.message("p", 0)
+    f.lost_events("p", 1)
+    assert (f.state("p", 1).state, f.state("p", 1).reason) == (Freshness.STALE, "lost_events")
+    assert f.state("p", 100).state is Freshness.STALE  # no in-order message since: no recovery
+    f.message("p", 100)
+    assert f.state("p", 129).reason == "lost_events"
+    assert f.state("p", 131).state is Freshness.FRESH
+
+
 def test_joined_late_and_lagging_are_degraded() -> None:
     f = ft()
     f.joined_late("p", 0)
