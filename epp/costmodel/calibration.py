@@ -43,10 +43,12 @@ class CalibrationSettings:
     def check(self) -> tuple[str, str] | None:
         if not 0.5 <= self.forgetting <= 1.0:
             return "forgetting", f"must be in [0.5, 1], got {self.forgetting}"
-        if not 0 < self.min_scale <= 1.0 <= self.max_scale or not math.isfinite(self.max_scale):
-            return "minScale", "need 0 < minScale <= 1 <= maxScale (finite)"
-        if not self.outlier_threshold > 0:
-            return "outlierThreshold", "must be > 0"
+        if not 0 < self.min_scale <= 1.0:
+            return "minScale", f"must be in (0, 1], got {self.min_scale}"
+        if not 1.0 <= self.max_scale < math.inf:
+            return "maxScale", f"must be a finite number >= 1, got {self.max_scale}"
+        if not 0 < self.outlier_threshold < math.inf:
+            return "outlierThreshold", f"must be a finite number > 0, got {self.outlier_threshold}"
         if not 1 <= self.warmup <= _WINDOW:
             return "warmup", f"must be in 1..{_WINDOW}"
         return None

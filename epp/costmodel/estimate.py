@@ -7,8 +7,9 @@
   pairs, summed), plus the engine's reported waiting requests beyond those (load the EPP did
   not route: other replicas, direct traffic), each assumed to bring
   `unknown_request_tokens` uncached tokens; plus, when the pod's free KV blocks cannot hold
-  the request's uncached tokens, `kv_wait_steps` decode steps for running requests to free
-  some. Scaled by the calibrated queue coefficient.
+  the request's tokens that are not on its GPU already (uncached and reloaded ones),
+  `kv_wait_steps` decode steps for running requests to free some. Scaled by the calibrated
+  queue coefficient.
 - **prefill**: the uncached part of the prompt after the cached context. Scaled by the
   calibrated prefill coefficient.
 - **reload**: blocks held only on a slower tier (CPU, storage) are brought back at the
@@ -232,7 +233,8 @@ def _estimate(
         queue_nominal = queue_nominal + unknown_waiting * (fixed + per_tok * unk + per_pair * unk * unk / 2.0)
         seqs = decoding + unknown_running
         context = dec_tokens + unknown_running * unk
-        if uncached + own_tok > free:
+        # blocks the request needs free on the GPU: everything not already there (reloaded ones too)
+        if n - gpu_cached + own_tok > free:
             step = d_fixed + d_seq * seqs + d_ctx * context
             queue_nominal = queue_nominal + kv_wait_steps * step
         steps = max(np.ceil((own_tok + unknown_waiting * unk + uncached) / max_batched), 1.0)

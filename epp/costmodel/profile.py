@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from epp.kvindex.events import normalize_tier
 from epp.types import PrefillWork
 
 
@@ -184,6 +185,7 @@ def build_profile(raw: Mapping[str, Any] | ProfileSpec) -> tuple[str, ModelProfi
         spec = raw
     else:
         try:
+            # not strict: PyYAML reads `1e-4` (no dot) as a string; "1e-4" and "true" convert as meant
             spec = msgspec.convert(raw, ProfileSpec, strict=False)
         except msgspec.ValidationError as err:
             raise ProfileError(*validation_field(err)) from None
@@ -233,8 +235,14 @@ def build_profile(raw: Mapping[str, Any] | ProfileSpec) -> tuple[str, ModelProfi
         tiers = dict(p.tiers)
         for tier, t in spec.tiers.items():
             name = tier.lower()
-            if name == "gpu":
+            if normalize_tier(tier) == "gpu":
                 raise ProfileError(f"tiers.{tier}", "the gpu tier is free to use; it takes no cost")
+            if normalize_tier(tier) != name:  # an engine's medium name: the index files it under another
+                raise ProfileError(
+                    f"tiers.{tier}",
+                    f"the index files the engines' {tier!r} blocks under the tier "
+                    f"{normalize_tier(tier)!r}: name that tier here (a cost under {tier!r} would never apply)",
+                )
             bw = _positive(f"tiers.{tier}.bandwidthBytesPerSecond", t.bandwidth_bytes_per_second, False)
             tiers[name] = TierCost(bw, _positive(f"tiers.{tier}.latencySeconds", t.latency_seconds))
         p = replace(p, tiers=tiers)

@@ -59,7 +59,9 @@ def parse_cost_model(raw: Mapping[str, Any] | None) -> CostModelSettings:
     if unknown:
         raise ProfileError(sorted(unknown)[0], "unknown field (costModel takes profiles and calibration)")
     profiles: dict[str, ModelProfile] = {}
-    entries = raw.get("profiles") or []
+    entries = raw.get("profiles")
+    if entries is None:
+        entries = []
     if not isinstance(entries, list):
         raise ProfileError("profiles", "must be a list of profiles")
     for i, entry in enumerate(entries):
@@ -73,8 +75,11 @@ def parse_cost_model(raw: Mapping[str, Any] | None) -> CostModelSettings:
             raise ProfileError(f"profiles[{i}].model", f"duplicate profile for model {model!r}")
         profiles[model] = profile
     profiles.setdefault(ANY_MODEL, REFERENCE_PROFILES[DEFAULT_REFERENCE])
+    calibration = raw.get("calibration")
+    if calibration is not None and not isinstance(calibration, dict):
+        raise ProfileError("calibration", "must be a mapping")
     try:
-        c = msgspec.convert(raw.get("calibration") or {}, CalibrationSpec, strict=False)
+        c = msgspec.convert(calibration or {}, CalibrationSpec, strict=False)  # (as build_profile)
     except msgspec.ValidationError as err:
         where, message = validation_field(err)
         raise ProfileError(f"calibration.{where}".rstrip("."), message) from None

@@ -114,7 +114,7 @@ def reference_estimate_all(
     queue_nominal = queue_nominal + unknown_waiting * (fixed + per_tok * unk + per_pair * unk * unk / 2.0)
     seqs = decoding + unknown_running
     context = dec_tokens + unknown_running * unk
-    short = uncached + own_tok > free
+    short = (n - gpu_cached) + own_tok > free
     if short.any():
         step = p.decode_fixed_s + p.decode_per_sequence_s * seqs + p.decode_per_context_token_s * context
         queue_nominal = queue_nominal + np.where(short, p.kv_wait_steps * step, 0.0)

@@ -268,6 +268,9 @@ def test_kv_wait_is_added_only_when_free_kv_cannot_hold_the_uncached_prompt() ->
     assert cached.queue_s == 0.0
     # without the pool size from the scrape there is no KV-wait term
     assert estimate_ttft(P, endpoint("a:1", running=4, kv_usage=0.99), 1000).queue_s == 0.0
+    # blocks reloaded from a slower tier need free GPU blocks as much as recomputed ones
+    reloaded = estimate_ttft(P, ep(), 1000, {"cpu": 992})
+    assert reloaded.reloaded_tokens > 0 and reloaded.queue_s == pytest.approx(wait)
 
 
 def test_calibrated_scales_multiply_queue_and_prefill_but_nominal_terms_stay_unscaled() -> None:
@@ -453,9 +456,13 @@ def test_parse_cost_model_reads_calibration_settings() -> None:
             ">= 0",
         ),
         ({"calibration": {"forgetting": 0.2}}, "calibration.forgetting", "[0.5, 1]"),
-        ({"calibration": {"minScale": 0}}, "calibration.minScale", "minScale"),
-        ({"calibration": {"maxScale": 0.5}}, "calibration.minScale", "maxScale"),
+        ({"calibration": {"minScale": 0}}, "calibration.minScale", "(0, 1]"),
+        ({"calibration": {"maxScale": 0.5}}, "calibration.maxScale", ">= 1"),
+        ({"calibration": {"maxScale": float("inf")}}, "calibration.maxScale", "finite"),
         ({"calibration": {"outlierThreshold": 0}}, "calibration.outlierThreshold", "> 0"),
+        ({"calibration": {"outlierThreshold": float("inf")}}, "calibration.outlierThreshold", "finite"),
+        ({"profiles": {}}, "profiles", "must be a list"),
+        ({"calibration": []}, "calibration", "must be a mapping"),
         ({"calibration": {"warmup": -1}}, "calibration.warmup", "must be"),
         ({"calibration": {"forgetting": "slow"}}, "calibration.forgetting", "Expected"),
         ({"calibration": {"learningRate": 1}}, "calibration.learningRate", "unknown field `learningRate`"),
@@ -487,3 +494,19 @@ def test_own_requests_in_prefill_are_not_counted_again_as_unknown_running_load()
     # a third running request the EPP does not know decodes alongside
     other = endpoint("a:1", waiting=0, running=3, backlog=PrefillWork(2, 2000, 2e6))
     assert estimate_ttft(P, other, 100).decode_s > 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "index_tier"), [("disk", "storage"), ("CPU_PINNED", "cpu"), ("FS", "storage")]
+)
+def test_a_profile_tier_named_as_an_engine_medium_is_refused_naming_the_index_tier(
+    name: str, index_tier: str
+) -> None:
+    """The index files engines' media under its own tier names (DISK -> storage): a cost given under the
+    medium's name would never apply."""
+    with pytest.raises(ProfileError, match=f"tiers.{name}: .*under the tier '{index_tier}'"):
+        build_profile({"tiers": {name: {"bandwidthBytesPerSecond": 5e9}}})
+    with pytest.raises(ProfileError, match="tiers.GPU: the gpu tier is free"):
+        build_profile({"tiers": {"GPU": {"bandwidthBytesPerSecond": 5e9}}})
+    custom = build_profile({"tiers": {"nvme-pool": {"bandwidthBytesPerSecond": 5e9}}})[1]
+    assert "nvme-pool" in custom.tiers  # a tier of its own (an engine sending that medium) is kept
