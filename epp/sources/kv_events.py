@@ -275,6 +275,10 @@ class KvEventSubscriber:
                 return
         elif self.datastore.get(pod) is None:
             return  # the pod left while this message was queued
+        elif where is not None and where != pod and self.datastore.get(where) is not None:
+            # Several endpoints on one IP (an InferencePool with several target ports) each subscribe
+            # to the IP's publishers: a topic naming another of them (`kv@ip:port@model`) is its own.
+            return
         seq = int.from_bytes(seq_b, "big")
         outcome = self.ingest.on_live(pod, rank, seq, payload, now, topic_model, self.wall())
         if isinstance(outcome, NeedReplay):

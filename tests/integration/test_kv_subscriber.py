@@ -290,6 +290,27 @@ async def test_a_burst_is_drained_in_order_and_flushed_once_the_socket_is_idle()
         assert r.blocks(POD_A) == 300 and r.ingest.counters[POD_A].orphans == 0
 
 
+async def test_endpoints_sharing_an_ip_are_credited_by_the_port_their_topic_names() -> None:
+    """An InferencePool with two target ports on one pod: both endpoints subscribe to the IP's
+    publishers (port + dp rank); each message counts only for the endpoint its topic names."""
+    port = free_port()
+    a0, a1 = "127.0.0.2:8000", "127.0.0.2:8001"
+    settings = KvEventsConfig(mode="per-pod", port=port, dp_ranks=2, sync_interval=0.05)
+    async with (
+        rig(settings, (a0, a1)) as r,
+        KvEventPublisher(f"tcp://127.0.0.2:{port}", topic=f"kv@{a0}@m") as p0,
+        KvEventPublisher(f"tcp://127.0.0.2:{port + 1}", topic=f"kv@{a1}@m") as p1,
+    ):
+        await joined(r, p0, a0)
+        await joined(r, p1, a1)
+        await p0.publish([stored([1, 2], None, tokens(2))])
+        await p1.publish([stored([3], None, tokens(1, 99))])
+        await eventually(lambda: r.blocks(a0) == 2 and r.blocks(a1) == 1, "each endpoint's own blocks")
+        await asyncio.sleep(0.2)  # (nothing more arrives: the other endpoint's copies were not applied)
+        assert (r.blocks(a0), r.blocks(a1)) == (2, 1)
+        assert r.ingest.counters[a0].gaps == 0 and r.ingest.counters[a1].gaps == 0
+
+
 async def test_central_mode_identifies_pods_from_the_topic() -> None:
     port = free_port()
     settings = KvEventsConfig(mode="central", bind=f"tcp://127.0.0.1:{port}", sync_interval=0.05)
