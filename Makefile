@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.installed
 .PHONY: venv test lint typecheck unit bench clean test-vllm demo fuzz soak
 
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "$(PYTHON) is not Python >= 3.11 (or is missing): run make PYTHON=python3.11 ..." >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
