@@ -84,12 +84,21 @@ def _port(text: str) -> int:
 def _bytes(text: str) -> int:
     units = {"k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2, "g": 1024**3, "gib": 1024**3}
     t = text.strip().lower()
+    size: int | None = None
     for suffix in sorted(units, key=len, reverse=True):
         if t.endswith(suffix) and t[: -len(suffix)].strip().isdigit():
-            return int(t[: -len(suffix)]) * units[suffix]
-    if t.isdigit() and int(t) > 0:
-        return int(t)
-    raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 32MiB or 1048576)")
+            size = int(t[: -len(suffix)]) * units[suffix]
+            break
+    else:
+        if t.isdigit():
+            size = int(t)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 32MiB or 1048576)")
+    if size <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 bytes, got {text!r} (every request body would get 413)"
+        )
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-size",
         type=_bytes,
         default=32 * 1024 * 1024,
-        help="largest request body accepted; larger gets 413 (default 32MiB)",
+        help="largest request body accepted; larger gets 413 (default 32MiB). With request_body_mode "
+        "BUFFERED, Envoy's own buffer limit (per_connection_buffer_limit_bytes, 1MiB by default) "
+        "answers 413 first: see docs/operations.md",
     )
     s.add_argument(
         "--shutdown-grace",

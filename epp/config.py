@@ -12,7 +12,6 @@ import dataclasses
 import ipaddress
 import math
 import random
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from epp.config_sections import (
     explain_config,
     kv_events_config,
     tenancy_config,
+    validation_error,
 )
 from epp.costmodel.profile import ProfileError
 from epp.costmodel.service import CostModelSettings, parse_cost_model
@@ -165,24 +165,6 @@ schedulingProfiles:
 """
 """The reference EPP's load-aware scorers (the default before the TTFT picker)."""
 
-_MSGSPEC_AT = re.compile(r"^(.*?)(?: - at (`key` in )?`\$(.*)`)?$")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
-
-
-def _split_msgspec(err: msgspec.ValidationError) -> tuple[str, str]:
-    """(where, field) from msgspec's 'message - at `$.a[0].b`' (or '- at `key` in `$.a`': a mapping key)."""
-    text = str(err)
-    m = _MSGSPEC_AT.match(text)
-    path = (m.group(3) or "") if m else ""
-    unknown = _UNKNOWN.search(text)
-    if unknown:
-        field = unknown.group(1)
-    elif m and m.group(2):
-        field = "(a key)"
-    else:
-        field = path.rsplit(".", 1)[-1] if path else ""
-    return path.lstrip("."), field
-
 
 def parse_endpoint_address(address: str) -> str:
     """Normalise `ip:port` (IPv6 as `[addr]:port`); ValueError on anything else."""
@@ -211,8 +193,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     try:
         doc = msgspec.convert(raw, ConfigDoc, strict=True)
     except msgspec.ValidationError as err:
-        where, field = _split_msgspec(err)
-        raise ConfigError(source, where, field, str(err).split(" - at ")[0]) from None
+        raise validation_error(source, raw, err) from None
     except RecursionError:
         raise ConfigError(source, "", "", "the config is nested too deeply") from None
     if doc.api_version not in API_VERSIONS:

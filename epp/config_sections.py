@@ -1,11 +1,14 @@
 """Our own sections of the EndpointPickerConfig (`kvEvents`, `index`, `admission`, `tenancy`,
 `explain`): their YAML shapes, typed values and validation. Pure. `ConfigError` lives here so
-both this module and `epp.config` raise it.
+both this module and `epp.config` raise it; `validation_error` turns msgspec's errors into one
+that names the profile and plugin.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -29,6 +32,67 @@ class ConfigError(ValueError):
     def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, str, str]]:
         """Pickled with its four fields (a worker process's error reaches its parent intact)."""
         return type(self), (self.source, self.where, self.field, self.message)
+
+
+_MSGSPEC_AT = re.compile(r"^(.*?)(?: - at (`key` in )?`\$(.*)`)?$")
+_UNKNOWN = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
+_PROFILE_PLUGIN_AT = re.compile(r"^(schedulingProfiles\[(\d+)\](?:\.plugins\[(\d+)\])?)(?:\.|$)")
+_PLUGIN_AT = re.compile(r"^(plugins\[(\d+)\])(?:\.|$)")
+
+
+def _item(raw: Any, key: str, i: int) -> dict[str, Any]:
+    """raw[key][i] when it is a mapping, else {} (the document failed validation: anything goes)."""
+    items = raw.get(key) if isinstance(raw, dict) else None
+    item = items[i] if isinstance(items, list) and i < len(items) else None
+    return item if isinstance(item, dict) else {}
+
+
+def _named_where(raw: Any, path: str) -> str:
+    """`where` of a validation error at `path`, naming the profile and plugin as the checks after
+    parsing do ("profile 'p': plugin 'ref'") with the position, when the document gives the names."""
+    m = _PROFILE_PLUGIN_AT.match(path)
+    if m:
+        profile = _item(raw, "schedulingProfiles", int(m.group(2)))
+        name = profile.get("name")
+        if not isinstance(name, str):
+            return path
+        if m.group(3) is None:
+            return f"profile {name!r} ({m.group(1)})"
+        ref = _item(profile, "plugins", int(m.group(3))).get("pluginRef")
+        return (
+            f"profile {name!r}: plugin {ref!r} ({m.group(1)})"
+            if isinstance(ref, str)
+            else f"profile {name!r} ({m.group(1)})"
+        )
+    m = _PLUGIN_AT.match(path)
+    if m:
+        entry = _item(raw, "plugins", int(m.group(2)))
+        kind, name = entry.get("type"), entry.get("name") or entry.get("type")
+        if isinstance(kind, str) and isinstance(name, str):
+            return f"plugin {name!r} ({m.group(1)}, type {kind!r})"
+    return path
+
+
+def _split_msgspec(err: msgspec.ValidationError) -> tuple[str, str]:
+    """(where, field) from msgspec's 'message - at `$.a[0].b`' (or '- at `key` in `$.a`': a mapping key)."""
+    text = str(err)
+    m = _MSGSPEC_AT.match(text)
+    path = (m.group(3) or "") if m else ""
+    unknown = _UNKNOWN.search(text)
+    if unknown:
+        field = unknown.group(1)
+    elif m and m.group(2):
+        field = "(a key)"
+    else:
+        field = path.rsplit(".", 1)[-1] if path else ""
+    return path.lstrip("."), field
+
+
+def validation_error(source: str, raw: Any, err: msgspec.ValidationError) -> ConfigError:
+    """The ConfigError for msgspec's error on the document `raw`: where (named as the checks after
+    parsing name it, with the position) and the field."""
+    where, field = _split_msgspec(err)
+    return ConfigError(source, _named_where(raw, where), field, str(err).split(" - at ")[0])
 
 
 class _Struct(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):

@@ -2,7 +2,9 @@
 
 SSE: every `data:` line that mentions `"usage"` is decoded (the last non-null one wins);
 `[DONE]` is skipped. JSON: the body is kept up to a bound and decoded at the end; a larger
-body is not parsed (usage is then unknown, which is counted, never fatal).
+body is not parsed (usage is then unknown, which is counted, never fatal). A count above
+`MAX_TOKENS` (a model server's bug, or a hostile one: JSON integers have no bound) makes that
+usage invalid: it is dropped whole (`UsageReader.invalid`), never passed on to the metrics.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ import msgspec
 _decoder = msgspec.json.Decoder()
 MAX_JSON_BODY = 4 * 1024 * 1024
 MAX_SSE_LINE = 1024 * 1024
+MAX_TOKENS = 2**53
+"""The largest token count taken as real (every integer up to it is exact as a float)."""
+
+
+class InvalidUsage(ValueError):
+    """A `usage` count outside 0..MAX_TOKENS."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +34,17 @@ class Usage:
 
 
 def _as_int(v: Any) -> int:
-    return v if type(v) is int and v >= 0 else 0
+    """A count: a non-negative int (anything else, e.g. a float or a negative, is 0). Raises
+    InvalidUsage above MAX_TOKENS."""
+    if type(v) is not int or v < 0:
+        return 0
+    if v > MAX_TOKENS:
+        raise InvalidUsage(f"usage count over {MAX_TOKENS}")
+    return v
 
 
 def usage_from(doc: Any) -> Usage | None:
+    """The `usage` of a decoded response (None without one). Raises InvalidUsage."""
     if not isinstance(doc, dict):
         return None
     u = doc.get("usage")
@@ -49,6 +64,7 @@ class UsageReader:
     def __init__(self, sse: bool) -> None:
         self.sse = sse
         self.usage: Usage | None = None
+        self.invalid = False  # the (last) usage seen had an impossible count: ignored
         self._buf = bytearray()
         self._overflow = False
 
@@ -80,8 +96,11 @@ class UsageReader:
             found = usage_from(_decoder.decode(payload))
         except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deeply
             return
+        except InvalidUsage:
+            self.usage, self.invalid = None, True
+            return
         if found is not None:
-            self.usage = found
+            self.usage, self.invalid = found, False
 
     def finish(self) -> Usage | None:
         if self.sse:
@@ -92,5 +111,7 @@ class UsageReader:
                 self.usage = usage_from(_decoder.decode(self._buf))
             except (msgspec.DecodeError, RecursionError):
                 self.usage = None
+            except InvalidUsage:
+                self.usage, self.invalid = None, True
         self._buf.clear()
         return self.usage

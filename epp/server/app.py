@@ -37,6 +37,7 @@ from epp.server.director import Director
 from epp.server.ext_proc import SERVICE_NAME, ExtProcService
 from epp.server.kv_metrics import KvIndexCollector
 from epp.server.metrics import EppMetrics
+from epp.server.startup import ScrapeRound, check_scrape_settings
 from epp.server.tls import load_cert_dir, self_signed
 from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.metrics_scrape import MetricsScraper
@@ -146,16 +147,18 @@ class EppServer:
             self.is_ready,
             settings.debug_endpoints,
             lambda: index_report(self.kv, self.ingest, kv.mode, self.clock.now(), self._served_models()),
-            lambda limit: self.decisions.render(limit, self.clock.now(), self.cost.coefficients()),
+            lambda limit: self.decisions.render(limit, self.clock.now()),
         )
         self.scraper: MetricsScraper | None = None
+        self.scrape_round: ScrapeRound | None = None  # readiness waits for the first scrape of each endpoint
         if settings.refresh_metrics_interval > 0:
+            self.scrape_round = ScrapeRound(self.metrics)
             self.scraper = MetricsScraper(
                 self.datastore,
                 self.clock,
                 interval=settings.refresh_metrics_interval,
                 timeout=settings.metrics_timeout,
-                observer=self.metrics,
+                observer=self.scrape_round,
             )
         self.discovery: PoolWatcher | None = None
         if settings.discovery is not None:
@@ -191,6 +194,7 @@ class EppServer:
         return {m for m in map(self._model_of, self.datastore.ids()) if m}
 
     def is_ready(self) -> bool:
+        """Serving, the pool listed (with discovery) and its endpoints' first scrape attempted."""
         return self._ready and (self.discovery is None or self.discovery.synced)
 
     def _follow_endpoints(self) -> None:
@@ -202,11 +206,20 @@ class EppServer:
         if self.subscriber is not None:
             self.subscriber.sync()
 
-    async def _serve_when_synced(self) -> None:
-        assert self.discovery is not None
-        await self.discovery.wait_synced()
+    async def _become_ready(self) -> None:
+        """Readiness: once the pool has been listed (with discovery) and every endpoint has had its
+        first scrape attempt (at most the scrape timeout), so the staleness filter does not answer
+        429 for the first round after start."""
+        if self.discovery is not None:
+            await self.discovery.wait_synced()
+        if self.scrape_round is not None:
+            done = await self.scrape_round.wait(set(self.datastore.ids()), self.settings.metrics_timeout)
+            self.scrape_round.finish()
+            if not done:
+                log.warning("ready before every endpoint's first metrics scrape ended (--metrics-timeout)")
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._ready = True
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         s = self.settings
@@ -226,6 +239,12 @@ class EppServer:
 
     async def _start(self) -> None:
         s = self.settings
+        check_scrape_settings(self.config.source, self.scheduler, s.refresh_metrics_interval)
+        if self.scraper is None:
+            log.warning(
+                "metrics scraping is disabled (--refresh-metrics-interval 0): the saturation detector "
+                "counts every endpoint as saturated, so sheddable requests get 429"
+            )
         prefix_walk.warm_up()  # compile (or load) the compiled loops before anything listens
         estimate.warm_up()
         cuckoo.warm_up()
@@ -242,33 +261,32 @@ class EppServer:
             ExtProcService(self.director, s.max_body_bytes), self._grpc
         )
         addr = f"{s.host}:{s.grpc_port}"
-        port = self._grpc.add_secure_port(addr, creds) if creds else self._grpc.add_insecure_port(addr)
-        if port == 0:
-            raise OSError(f"cannot listen for gRPC on {addr}")
-        self.grpc_port = port
+        self.grpc_port = _add_port(self._grpc, addr, creds, "ext_proc gRPC", "--grpc-port")
         self._health_server = grpc.aio.server(options=_GRPC_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         haddr = f"{s.host}:{s.grpc_health_port}"
-        self.grpc_health_port = self._health_server.add_insecure_port(haddr)
-        if self.grpc_health_port == 0:
-            raise OSError(f"cannot listen for gRPC health on {haddr}")
+        self.grpc_health_port = _add_port(
+            self._health_server, haddr, None, "gRPC health", "--grpc-health-port"
+        )
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._grpc.start()
         await self._health_server.start()
-        self.metrics_port = await self.admin.start(s.host, s.metrics_port)
+        try:
+            self.metrics_port = await self.admin.start(s.host, s.metrics_port)
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise OSError(
+                f"cannot listen for metrics on {s.host}:{s.metrics_port} (--metrics-port): {reason}"
+            ) from None
         if self.scraper is not None:
             await self.scraper.start()
         if self.subscriber is not None:
             await self.subscriber.start()
         self._sources_started = True
-        self._ready = True
-        if self.discovery is None:
-            for name in HEALTH_SERVICES:
-                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        else:  # alive now; ready once the pool and its pods have been listed
-            await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-            self._readiness = asyncio.create_task(self._serve_when_synced(), name="epp-readiness")
+        # Alive now; ready once the pool and its pods have been listed and scraped (`_become_ready`).
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        self._readiness = asyncio.create_task(self._become_ready(), name="epp-readiness")
         log.info(
             "EPP serving ext_proc on %s:%d (%s), health on %d, metrics on %d, %d endpoints",
             s.host,
@@ -299,6 +317,22 @@ class EppServer:
     async def wait(self) -> None:
         if self._grpc is not None:
             await self._grpc.wait_for_termination()
+
+
+def _add_port(
+    server: grpc.aio.Server, addr: str, creds: grpc.ServerCredentials | None, what: str, flag: str
+) -> int:
+    """Listen on `addr`; OSError naming the address and the flag when that fails (grpcio raises a bare
+    RuntimeError, or returns 0)."""
+    try:
+        port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(
+            f"cannot listen for {what} on {addr} ({flag}): the port is in use or the address is not local"
+        )
+    return int(port)
 
 
 def read_secret(config: TenancyConfig, environ: Mapping[str, str]) -> bytes:

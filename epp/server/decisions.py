@@ -1,14 +1,15 @@
 """The last N scheduling decisions, explained: `/debug/decisions` and the `x-epp-decision` header.
 
 Recording a decision costs one deque append (the `Decision` already holds every candidate's
-estimate); the JSON is built only when someone asks.
+estimate; the cost model's coefficients its estimates used are kept with it, so an old decision
+is shown with the calibration of its time); the JSON is built only when someone asks.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from epp.types import Decision, InferenceRequest
@@ -23,6 +24,7 @@ class DecisionRecord:
     model: str
     priority: int
     decision: Decision
+    calibration: Mapping[str, float] = field(default_factory=dict)  # coefficients its estimates used
 
 
 class DecisionLog:
@@ -30,19 +32,27 @@ class DecisionLog:
         self.keep = keep
         self._records: deque[DecisionRecord] = deque(maxlen=keep) if keep > 0 else deque(maxlen=0)
 
-    def add(self, at: float, request: InferenceRequest, decision: Decision) -> None:
+    def add(
+        self,
+        at: float,
+        request: InferenceRequest,
+        decision: Decision,
+        calibration: Mapping[str, float] | None = None,
+    ) -> None:
+        """`calibration`: the cost model's coefficients the decision's estimates were computed with."""
         if self.keep:
             self._records.append(
-                DecisionRecord(at, request.request_id, request.model, request.priority, decision)
+                DecisionRecord(
+                    at, request.request_id, request.model, request.priority, decision, dict(calibration or {})
+                )
             )
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def render(
-        self, limit: int, now: float, calibration: Mapping[str, Mapping[str, float]]
-    ) -> dict[str, Any]:
-        """The newest `limit` decisions (newest first), each with every candidate's terms."""
+    def render(self, limit: int, now: float) -> dict[str, Any]:
+        """The newest `limit` decisions (newest first), each with every candidate's terms and the
+        calibration it was made with."""
         records = list(self._records)[-limit:] if limit > 0 else []
         out = []
         for r in reversed(records):
@@ -66,7 +76,7 @@ class DecisionLog:
                     "winner": d.primary,
                     "endpoints": list(d.endpoints),
                     "candidates": candidates,
-                    "calibration": dict(calibration.get(r.model, {})),
+                    "calibration": dict(r.calibration),
                 }
             )
         return {"kept": len(self._records), "capacity": self.keep, "decisions": out}

@@ -1,8 +1,14 @@
-"""The request lifecycle, independent of the wire protocol: validate, schedule, account, release."""
+"""The request lifecycle, independent of the wire protocol: validate, schedule, account, release.
+
+Per-endpoint figures of a response (time to first byte, usage, backend errors) and its in-flight
+accounting belong to the endpoint that served it: Envoy's report (`served`) when it names one of
+the decision's endpoints (it fell back), else the primary.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +23,7 @@ from epp.scheduling.scheduler import Scheduler
 from epp.server.decisions import DecisionLog
 from epp.server.metrics import EppMetrics
 from epp.tenancy import TenantSalter
-from epp.types import Decision, InferenceRequest, TtftEstimate
+from epp.types import NO_WORK, Decision, InferenceRequest, TtftEstimate
 from epp.usage import Usage
 
 log = logging.getLogger("epp.director")
@@ -27,6 +33,8 @@ MAX_MODEL_LABELS = 256
 than MAX_MODEL_LABEL_CHARS) is counted as OTHER_MODEL, so clients cannot grow the metrics without bound."""
 MAX_MODEL_LABEL_CHARS = 256
 OTHER_MODEL = "other"
+FAILURE_LOG_EVERY_S = 30.0
+"""Bookkeeping failures on the response path are logged at most this often (all are counted)."""
 
 
 @dataclass(slots=True)
@@ -44,6 +52,15 @@ class RoutedRequest:
     @property
     def estimate(self) -> TtftEstimate | None:
         return self.decision.estimates.get(self.decision.primary)
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint that served the response: Envoy's report when it names one of the decision's
+        endpoints, else the primary."""
+        served = self.served
+        if served is not None and served in self.decision.endpoints:
+            return served
+        return self.decision.primary
 
 
 class Director:
@@ -69,6 +86,8 @@ class Director:
         self.decisions = decisions
         self.decision_header = decision_header
         self._model_labels: dict[str, str] = {}
+        self._failure_logged_at = -math.inf
+        self._failures_unlogged = 0
 
     def model_label(self, model: str) -> str:
         """The metrics label for a request's model: itself, or OTHER_MODEL once MAX_MODEL_LABELS names
@@ -120,8 +139,8 @@ class Director:
         m.running(model).inc()
         observable = request.stream and streamed_response
         ticket = accounting.begin(self.datastore, request, decision, t1, observable, self.cost)
-        if self.decisions is not None:
-            self.decisions.add(t1, request, decision)
+        if self.decisions is not None and self.decisions.keep:
+            self.decisions.add(t1, request, decision, self._calibration_used(request.model, decision))
         return RoutedRequest(request, decision, ticket, t1, body=new_body, observable=observable)
 
     def reject(self, status: int, code: str, model: str = "") -> None:
@@ -130,10 +149,45 @@ class Director:
             label = self.model_label(model)
             self.metrics.request_errors(label, label, code).inc()
 
+    def _calibration_used(self, model: str, decision: Decision) -> dict[str, float]:
+        """The cost model's coefficients this decision's estimates were computed with (none without
+        estimates), kept with the decision for /debug/decisions."""
+        if self.cost is None or not decision.estimates:
+            return {}
+        # Read without creating a calibrator: model names come from clients.
+        c = self.cost._calibrators.get(model)
+        prefill, queue, seen = (c.prefill_scale, c.queue_scale, c.observations) if c else (1.0, 1.0, 0)
+        return {
+            "prefill_scale": prefill,
+            "queue_scale": queue,
+            "observations": seen,
+            "prefill_seconds_per_token": self.cost.profile(model).prefill_per_token_s * prefill,
+        }
+
+    def on_served(self, routed: RoutedRequest, served: str | None) -> None:
+        """Envoy reported the endpoint it sent the request to. When that is a fallback of the decision,
+        the request's in-flight accounting moves there: the ticket taken on the primary is released
+        (what was acquired) and one is taken on the served endpoint, in the same phase (prefill
+        backlog with its estimate's work and the same deadline, or decoding)."""
+        routed.served = served
+        old = routed.ticket
+        target = routed.endpoint
+        if target == old.endpoint or old.released:
+            return
+        decoding = old.decoding
+        est = routed.decision.estimates.get(target)
+        work = NO_WORK if decoding else (est.work if est is not None else old.work)
+        self.datastore.release(old)
+        routed.ticket = self.datastore.begin(
+            target, old.prompt_tokens, work, old.first_token_by if work.requests else math.inf
+        )
+        if decoding:
+            self.datastore.first_token(routed.ticket)
+
     def on_response_status(self, routed: RoutedRequest, status: int) -> None:
         routed.status = status
         if not 200 <= status < 300:
-            self.metrics.backend_errors(routed.decision.primary, str(status)).inc()
+            self.metrics.backend_errors(routed.endpoint, str(status)).inc()
             model = self.model_label(routed.request.model)
             self.metrics.request_errors(model, model, f"ModelServerError{status}").inc()
 
@@ -142,7 +196,7 @@ class Director:
             return
         routed.first_byte_at = now = self.clock.now()
         elapsed = now - routed.routed_at
-        self.metrics.ttfb(routed.decision.primary).observe(elapsed)
+        self.metrics.ttfb(routed.endpoint).observe(elapsed)
         # Only a streamed, successful response's first byte is its first token, and only the
         # primary's estimate predicts it (Envoy may have fallen back to another endpoint).
         calibrate = (
@@ -155,8 +209,11 @@ class Director:
             self.datastore, self.cost, routed.request, routed.decision, routed.ticket, elapsed, calibrate
         )
 
-    def finish(self, routed: RoutedRequest, cause: str, usage: Usage | None = None) -> None:
-        """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect."""
+    def finish(
+        self, routed: RoutedRequest, cause: str, usage: Usage | None = None, usage_invalid: bool = False
+    ) -> None:
+        """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect.
+        `usage_invalid`: the response's usage had an impossible count and was ignored."""
         if not self.datastore.release(routed.ticket):
             return
         m = self.metrics
@@ -164,13 +221,35 @@ class Director:
         m.released(cause).inc()
         m.running(model).dec()
         m.request_duration(model, model).observe(self.clock.now() - routed.routed_at)
+        if usage_invalid:
+            m.usage_invalid(routed.endpoint).inc()
         if usage is not None:
-            ep = routed.decision.primary
+            ep = routed.endpoint
             m.input_tokens(model, model).observe(usage.prompt_tokens)
             m.output_tokens(model, model).observe(usage.completion_tokens)
             m.usage_tokens(ep, "prompt").inc(usage.prompt_tokens)
             m.usage_tokens(ep, "cached").inc(usage.cached_tokens)
             m.usage_tokens(ep, "completion").inc(usage.completion_tokens)
+
+    def bookkeeping_failed(self, where: str) -> None:
+        """An unexpected exception in response-side bookkeeping (call from an `except` block): counted,
+        and logged with its traceback at most every FAILURE_LOG_EVERY_S. The response goes on."""
+        try:
+            self.metrics.accounting_errors.inc()
+            now = self.clock.now()
+            if now - self._failure_logged_at < FAILURE_LOG_EVERY_S:
+                self._failures_unlogged += 1
+                return
+            skipped, self._failures_unlogged = self._failures_unlogged, 0
+            self._failure_logged_at = now
+            log.exception(
+                "response bookkeeping failed in %s; the response is passed on (%d similar failures "
+                "since the last report)",
+                where,
+                skipped,
+            )
+        except Exception:  # never let reporting a failure fail the stream
+            pass
 
 
 __all__ = ["Director", "RequestError", "RoutedRequest"]

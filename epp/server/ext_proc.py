@@ -4,7 +4,9 @@ Request path: headers are held until the body ends (FULL_DUPLEX_STREAMED) or ans
 (BUFFERED / STREAMED / header-only); at the end of the body the request is scheduled and the
 destination is returned as a header and as `envoy.lb` dynamic metadata. Response path: the
 body is echoed (duplex) while usage and the first byte are recorded, and the request's
-in-flight accounting is released at the end, on error, or when the stream goes away.
+in-flight accounting is released at the end, on error, or when the stream goes away. The response
+is the backend's: bookkeeping never fails it (an unexpected error is counted and logged, and the
+response passed on).
 """
 
 from __future__ import annotations
@@ -165,13 +167,11 @@ class RequestStream:
         if which == "request_trailers":
             return self._request_trailers()
         if which == "response_headers":
-            if self.routed is not None:
-                self.routed.served = served_endpoint(msg)
-            return self._response_headers(msg.response_headers)
+            return self._response_headers(msg)
         if which == "response_body":
             return self._response_body(msg.response_body)
         if which == "response_trailers":
-            self._finish("complete")
+            self._finish(self._end_cause())
             self.done = True
             return (pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),)
         return ()
@@ -281,24 +281,35 @@ class RequestStream:
         return (error_response(status, code, message, retry_after),)
 
     # -- response path ------------------------------------------------------------------
-    def _response_headers(self, headers: pb.HttpHeaders) -> Iterable[pb.ProcessingResponse]:
-        h = header_map(headers)
+    def _response_headers(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
+        headers = msg.response_headers
         self.done = self.done or headers.end_of_stream  # nothing follows: end the stream (see `Process`)
-        if self.routed is not None:
+        routed = self.routed
+        if routed is None:
+            return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
+        try:
+            h = header_map(headers)
+            self.usage = UsageReader("text/event-stream" in h.get("content-type", ""))
             try:
                 status = int(h.get(":status", "200"))
             except ValueError:
                 status = 0
-            self.director.on_response_status(self.routed, status)
-            self.usage = UsageReader("text/event-stream" in h.get("content-type", ""))
+            self.director.on_served(routed, served_endpoint(msg))
+            self.director.on_response_status(routed, status)
             if headers.end_of_stream:
-                self.director.on_first_byte(self.routed)
-                self._finish("complete" if 200 <= status < 300 else "error")
-            if self.director.decision_header:
+                self.director.on_first_byte(routed)
+        except Exception:
+            self.director.bookkeeping_failed("response headers")
+        if headers.end_of_stream:
+            self._finish(self._end_cause())
+        if self.director.decision_header:
+            try:
+                value = header_value(routed.decision)
+            except Exception:
+                self.director.bookkeeping_failed("the decision header")
+            else:
                 explain = pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(
-                        set_headers=[_header(DECISION_HEADER, header_value(self.routed.decision))]
-                    )
+                    header_mutation=pb.HeaderMutation(set_headers=[_header(DECISION_HEADER, value)])
                 )
                 return (pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=explain)),)
         return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
@@ -306,29 +317,51 @@ class RequestStream:
     def _response_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
         routed = self.routed
         if routed is not None:
-            if routed.first_byte_at is None:
-                self.director.on_first_byte(routed)
-            if self.usage is not None:
-                self.usage.feed(body.body)
+            try:
+                if routed.first_byte_at is None:
+                    self.director.on_first_byte(routed)
+                if self.usage is not None:
+                    self.usage.feed(body.body)
+            except Exception:
+                self.director.bookkeeping_failed("the response body")
             if body.end_of_stream:
-                status = routed.status or 200
-                self._finish("complete" if 200 <= status < 300 else "error")
+                self._finish(self._end_cause())
         self.done = self.done or body.end_of_stream  # no trailers follow a body's end: end the stream
         if self.response_mode == _DUPLEX:
             return (_echo(body.body, body.end_of_stream, True),)
         return (pb.ProcessingResponse(response_body=pb.BodyResponse()),)
 
+    def _end_cause(self) -> str:
+        """How a response that ended ended: `complete` with a 2xx status, else `error`."""
+        status = self.routed.status if self.routed is not None else None
+        return "complete" if status is None or 200 <= status < 300 else "error"
+
     def _finish(self, cause: str) -> None:
-        if self.routed is not None:
-            usage = self.usage.finish() if self.usage is not None and cause == "complete" else None
-            self.director.finish(self.routed, cause, usage)
+        routed = self.routed
+        if routed is None:
+            return
+        usage, invalid = None, False
+        try:
+            if self.usage is not None and cause == "complete":
+                usage = self.usage.finish()
+                invalid = self.usage.invalid
+        except Exception:
+            self.director.bookkeeping_failed("reading the response's usage")
+        try:
+            self.director.finish(routed, cause, usage, invalid)
+        except Exception:
+            self.director.bookkeeping_failed("releasing the request")
+            try:  # the in-flight accounting at least (idempotent)
+                self.director.datastore.release(routed.ticket)
+            except Exception:
+                self.director.bookkeeping_failed("releasing the request's ticket")
 
     def close(self) -> None:
         """The stream ended: release whatever is still held (client gone, Envoy reset)."""
         if self.routed is not None:
             # With response_body_mode NONE the stream's end is the response's end.
             seen_response = self.routed.status is not None and self.response_mode == 0
-            self._finish("complete" if seen_response else "disconnect")
+            self._finish(self._end_cause() if seen_response else "disconnect")
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]

@@ -215,6 +215,16 @@ class EppMetrics:
             "Tokens reported in responses' usage, per endpoint and kind (prompt, cached, completion)",
             ["endpoint", "kind"],
         )
+        self.usage_invalid = counter(
+            "epp_usage_invalid_total",
+            "Completed responses whose usage had a count out of range (ignored), per endpoint",
+            ["endpoint"],
+        )
+        self.accounting_errors = Counter(
+            "epp_response_accounting_errors_total",
+            "Internal errors in response-side bookkeeping (the response was passed on regardless)",
+            registry=r,
+        )
         self.backend_errors = counter(
             "epp_backend_errors_total",
             "Responses with a non-2xx status, per endpoint and status",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -57,8 +58,20 @@ def load_cert_dir(path: str) -> tuple[bytes, bytes]:
     except OSError as err:
         raise ValueError(f"--cert-path {path!r}: cannot read {err.filename}: {err.strerror}") from None
     try:
-        x509.load_pem_x509_certificate(crt)
-        serialization.load_pem_private_key(key, password=None)
-    except ValueError as err:
+        cert = x509.load_pem_x509_certificate(crt)
+        private = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError) as err:  # TypeError: an encrypted key (no password is given)
         raise ValueError(f"--cert-path {path!r}: not a PEM certificate and key: {err}") from None
+    if _public_der(cert.public_key()) != _public_der(private.public_key()):
+        raise ValueError(
+            f"--cert-path {path!r}: the certificate {crt_path} and the key {key_path} do not match "
+            "(the key is not the certificate's private key)"
+        )
     return crt, key
+
+
+def _public_der(public: Any) -> bytes:
+    der: bytes = public.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return der

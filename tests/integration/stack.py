@@ -110,6 +110,7 @@ async def stack(
             st = Stack(backends, epp, proc, session)
             if addresses and settings.refresh_metrics_interval > 0:
                 await st.wait_scraped()
+            await eventually(epp.is_ready, "EPP ready")  # after the first scrape round
             yield st
     finally:
         await proc.stop()

@@ -67,9 +67,32 @@ async def test_no_endpoints_gets_503() -> None:
         assert error_of(text)["type"] == "ServiceUnavailable"
 
 
+FAST_STALENESS = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: metrics-staleness-filter
+  parameters: {maxAge: 100ms}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: metrics-staleness-filter}, {pluginRef: queue-scorer}]
+"""
+
+
 async def test_every_endpoint_filtered_gets_429() -> None:
-    # Without scraping no endpoint has metrics, so the staleness filter removes them all.
-    async with stack(2, settings=replace(ServerSettings(), refresh_metrics_interval=0)) as st:
+    # Every /metrics hangs (a long scrape timeout keeps the endpoints healthy): once all metrics are
+    # older than maxAge the staleness filter removes every endpoint. (Scraping switched off with the
+    # filter in the profile is refused at start: tests/integration/test_startup_checks.py.)
+    settings = replace(ServerSettings(), metrics_timeout=30.0)
+    async with stack(2, config=parse_config(FAST_STALENESS, "fast.yaml"), settings=settings) as st:
+        for b in st.backends:
+            b.metrics_mode = "hang"
+        clock, records = st.epp.clock, st.epp.datastore.records
+        await eventually(
+            lambda: all(clock.now() - r.metrics.observed_at > 0.3 for r in records()),  # type: ignore[union-attr]
+            "every endpoint's metrics stale",
+        )
         status, by, text = await st.chat()
         assert (status, by) == (429, None)
         assert "metrics-staleness-filter" in str(error_of(text)["message"])

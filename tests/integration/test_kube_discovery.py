@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.clock import MonotonicClock
-from epp.config import KvEventsConfig, default_config
+from epp.config import KvEventsConfig, parse_config
 from epp.datastore import Datastore
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watcher import PoolWatcher
@@ -343,6 +343,14 @@ async def get(session: aiohttp.ClientSession, epp: EppServer, path: str) -> tupl
         return resp.status, body
 
 
+NO_STALENESS_FILTER = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins: [{type: ttft-scorer}, {type: max-score-picker}]
+schedulingProfiles: [{name: default, plugins: [{pluginRef: ttft-scorer}, {pluginRef: max-score-picker}]}]
+"""
+
+
 async def test_the_server_follows_the_pool_and_drains_departed_pods_from_the_index(
     api: FakeKubeApi, tmp_path: pathlib.Path
 ) -> None:
@@ -355,8 +363,10 @@ async def test_the_server_follows_the_pool_and_drains_departed_pods_from_the_ind
     for name in ("a", "b"):
         api.add_pod(name, HOSTS[name], APP)
     # The subscriber's own reconcile is far slower than any wait below: it follows the set through discovery.
+    # No scraping here (nothing serves /metrics), so no metrics-staleness-filter either (refused at start).
     cfg = replace(
-        default_config(), kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=300.0)
+        parse_config(NO_STALENESS_FILTER, "no-filter.yaml"),
+        kv_events=KvEventsConfig(mode="per-pod", port=events, sync_interval=300.0),
     )
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
     settings = ServerSettings.loopback(

@@ -244,5 +244,6 @@ def test_the_decision_log_keeps_no_request_content() -> None:
         "model",
         "priority",
         "decision",
+        "calibration",  # the cost model's coefficients (numbers) the decision's estimates used
     }
     assert not any("prompt" in f.name or "messages" in f.name for f in dataclasses.fields(Decision))

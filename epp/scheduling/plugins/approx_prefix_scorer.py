@@ -7,6 +7,9 @@ cache salt. When a request is routed, its blocks are recorded for the chosen pod
 `lruCapacityPerServer` blocks per pod, 31,250). The score of a pod is the number of leading
 blocks of the prompt recorded for it, divided by the prompt's block count. No engine events: the
 index believes a pod holds what was sent there, whether the engine kept it or not.
+
+The reference EPP's parameter names are accepted too: `blockSize` and `hashBlockSize` for
+`blockSizeChars`, `maxPrefixBlocksToMatch` for `maxPrefixBlocks` (one name per setting).
 """
 
 from __future__ import annotations
@@ -27,10 +30,18 @@ HASHES = "approx_prefix_hashes"
 _json = msgspec.json.Encoder()
 
 
+BLOCK_CHARS_DEFAULT = 64
+MAX_BLOCKS_DEFAULT = 256
+
+
 class ApproxPrefixParams(Params):
-    block_size_chars: int = 64
-    max_prefix_blocks: int = 256
+    block_size_chars: int | None = None  # BLOCK_CHARS_DEFAULT
+    max_prefix_blocks: int | None = None  # MAX_BLOCKS_DEFAULT
     lru_capacity_per_server: int = 31_250
+    # The reference EPP's names for the same settings.
+    block_size: int | None = None
+    hash_block_size: int | None = None
+    max_prefix_blocks_to_match: int | None = None
 
 
 def prompt_hashes(request: InferenceRequest, block_chars: int, max_blocks: int) -> list[int]:
@@ -137,16 +148,39 @@ class ApproxPrefixScorer:
         self.index.record(endpoint, self._hashes(state, request))
 
 
+def _setting(given: list[tuple[str, int | None]], default: int) -> int:
+    """The one value given under any of a setting's names (ours first), else `default`; each >= 1."""
+    named = [(key, value) for key, value in given if value is not None]
+    if len(named) > 1:
+        keys = " and ".join(key for key, _ in named)
+        raise PluginParamsError(named[1][0], f"{keys} are the same setting: give only one of them")
+    if not named:
+        return default
+    key, value = named[0]
+    if value is None or value < 1:
+        raise PluginParamsError(key, "must be >= 1")
+    return value
+
+
 def _build(name: str, params: ApproxPrefixParams, handle: PluginHandle) -> ApproxPrefixScorer:
-    if params.block_size_chars < 1:
-        raise PluginParamsError("blockSizeChars", "must be >= 1")
-    if params.max_prefix_blocks < 1:
-        raise PluginParamsError("maxPrefixBlocks", "must be >= 1")
+    block_chars = _setting(
+        [
+            ("blockSizeChars", params.block_size_chars),
+            ("blockSize", params.block_size),
+            ("hashBlockSize", params.hash_block_size),
+        ],
+        BLOCK_CHARS_DEFAULT,
+    )
+    max_blocks = _setting(
+        [
+            ("maxPrefixBlocks", params.max_prefix_blocks),
+            ("maxPrefixBlocksToMatch", params.max_prefix_blocks_to_match),
+        ],
+        MAX_BLOCKS_DEFAULT,
+    )
     if params.lru_capacity_per_server < 1:
         raise PluginParamsError("lruCapacityPerServer", "must be >= 1")
-    return ApproxPrefixScorer(
-        name, params.block_size_chars, params.max_prefix_blocks, params.lru_capacity_per_server
-    )
+    return ApproxPrefixScorer(name, block_chars, max_blocks, params.lru_capacity_per_server)
 
 
 SPEC = PluginSpec(
