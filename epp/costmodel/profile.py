@@ -241,7 +241,8 @@ def build_profile(raw: Mapping[str, Any] | ProfileSpec) -> tuple[str, ModelProfi
                 raise ProfileError(
                     f"tiers.{tier}",
                     f"the index files the engines' {tier!r} blocks under the tier "
-                    f"{normalize_tier(tier)!r}: name that tier here (a cost under {tier!r} would never apply)",
+                    f"{normalize_tier(tier)!r}: name that tier here "
+                    f"(a cost under {tier!r} would never apply)",
                 )
             bw = _positive(f"tiers.{tier}.bandwidthBytesPerSecond", t.bandwidth_bytes_per_second, False)
             tiers[name] = TierCost(bw, _positive(f"tiers.{tier}.latencySeconds", t.latency_seconds))

@@ -504,9 +504,9 @@ def test_a_profile_tier_named_as_an_engine_medium_is_refused_naming_the_index_ti
 ) -> None:
     """The index files engines' media under its own tier names (DISK -> storage): a cost given under the
     medium's name would never apply."""
-    with pytest.raises(ProfileError, match=f"tiers.{name}: .*under the tier '{index_tier}'"):
+    with pytest.raises(ProfileError, match=rf"tiers\.{name}: .*under the tier '{index_tier}'"):
         build_profile({"tiers": {name: {"bandwidthBytesPerSecond": 5e9}}})
-    with pytest.raises(ProfileError, match="tiers.GPU: the gpu tier is free"):
+    with pytest.raises(ProfileError, match=r"tiers\.GPU: the gpu tier is free"):
         build_profile({"tiers": {"GPU": {"bandwidthBytesPerSecond": 5e9}}})
     custom = build_profile({"tiers": {"nvme-pool": {"bandwidthBytesPerSecond": 5e9}}})[1]
     assert "nvme-pool" in custom.tiers  # a tier of its own (an engine sending that medium) is kept
