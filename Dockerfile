@@ -5,8 +5,11 @@
 # Not built by `make test`; tests/unit/test_deploy.py checks this file against the manifests.
 FROM python:3.11-slim
 
-# NUMBA_CACHE_DIR: the compiled index loops (docs/architecture.md) cache their machine code on a
-# writable path; the pod's root filesystem is read-only and /tmp is an emptyDir (deploy/base).
+# NUMBA_CACHE_DIR: the compiled loops (docs/architecture.md) cache their machine code there. It
+# must be writable: numba (0.68) does not load a read-only cache directory, it fails the import
+# ("cannot cache function ...: no locator available"), so no cache is baked into the image. The
+# pods mount an emptyDir on /tmp (deploy/base): a new pod compiles once (~30-40 s of one core)
+# before it reports live, a restarted container loads the cache from its pod's emptyDir.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/tmp/numba-cache \

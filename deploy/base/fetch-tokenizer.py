@@ -7,6 +7,9 @@ tokenizer its config names. Environment:
   REVISION     branch, tag or commit (default: main)
   HF_ENDPOINT  the Hub or a mirror (default: https://huggingface.co)
   HF_TOKEN     access token for gated models (optional)
+The Hub answers large files with a redirect to its CDN: redirects are followed (at most
+MAX_REDIRECTS), and the token goes only to the scheme, host and port it was meant for, never to a
+redirect target elsewhere.
 tokenizer.json is required; tokenizer_config.json and the chat template files are fetched when
 the repository has them. Nothing is written unless every required file was fetched.
 Exit status: 0 done, 1 a download failed, 2 bad environment.
@@ -22,14 +25,62 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 REQUIRED = ("tokenizer.json",)
 OPTIONAL = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 TIMEOUT_SECONDS = 60.0
+MAX_REDIRECTS = 5
+DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class FetchError(Exception):
     pass
+
+
+def origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of a URL, the port made explicit and the host lower-cased."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:  # not a number: never equal to a real origin
+        port = -1
+    return scheme, (parts.hostname or ""), DEFAULT_PORTS.get(scheme) if port is None else port
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """Follows at most MAX_REDIRECTS redirects; drops Authorization when one leaves the origin.
+
+    urllib copies every header of the request (Authorization included) to the redirected one,
+    wherever it points; the Hub redirects large files to a CDN, which must not see the token.
+    """
+
+    # urllib's own limits, one above ours, so that ours (with its message) is what stops a loop.
+    max_redirections = max_repeats = MAX_REDIRECTS + 1
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        hops = getattr(req, "epp_redirects", 0) + 1
+        if hops > MAX_REDIRECTS:
+            fp.close()
+            raise FetchError(f"more than {MAX_REDIRECTS} redirects (the last to {newurl})")
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            new.epp_redirects = hops  # type: ignore[attr-defined]
+            if origin(newurl) != origin(req.full_url):
+                new.remove_header("Authorization")  # add_header stored it under this spelling
+        return new
+
+
+_OPENER = urllib.request.build_opener(_Redirects)
 
 
 def _get(url: str, token: str | None) -> bytes | None:
@@ -38,7 +89,7 @@ def _get(url: str, token: str | None) -> bytes | None:
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as response:
+        with _OPENER.open(request, timeout=TIMEOUT_SECONDS) as response:
             body: bytes = response.read()
             return body
     except urllib.error.HTTPError as err:
@@ -50,6 +101,8 @@ def _get(url: str, token: str | None) -> bytes | None:
         raise FetchError(f"{url}: HTTP {err.code}{hint}") from None
     except (urllib.error.URLError, OSError) as err:
         raise FetchError(f"{url}: {getattr(err, 'reason', err)}") from None
+    except FetchError as err:
+        raise FetchError(f"{url}: {err}") from None
 
 
 def fetch(environ: Mapping[str, str]) -> dict[str, bytes]:

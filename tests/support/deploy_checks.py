@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import importlib.util
 import io
 import json
 import random
@@ -15,7 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from epp.docs_reference import exposed_metrics
 from epp.scheduling.builtin import default_registry
 from epp.server.app import HEALTH_SERVICES
 from epp.testing.fakes import FakeClock
+from simulator.cli import build_parser as sim_parser
+from simulator.serving.command import config_from_args as sim_config_from_args
 from tests.support.kustomize import build
 
 Obj = dict[str, Any]
@@ -61,6 +64,15 @@ VLLM_KV_EVENTS_KEYS = {
     *("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint"),
     *("buffer_steps", "hwm", "max_queue_size", "topic"),
 }
+
+
+VLLM_COMMAND = ["vllm", "serve"]
+
+
+SIM_COMMAND = ["epp-sim", "serve-engine"]  # vLLM's CPU stand-in (docs/simulator.md), in the EPP image
+
+
+TOKENIZER_INITS = ("fetch-tokenizer", "make-tokenizer")  # download one / build the tiny one
 
 
 ENVOY_GATEWAY_CONTROLLER = "gateway.envoyproxy.io/gatewayclass-controller"
@@ -113,6 +125,11 @@ CRD_SHAPES: dict[str, dict[str, tuple[set[str], set[str]]]] = {
     },
     "GatewayClass": {"spec": ({"controllerName", "parametersRef", "description"}, {"controllerName"})},
 }
+
+
+# A new EPP pod compiles its loops (numba) before it reports live: ~30-40 s of one core, more on a
+# node that gives it less (the dev overlay requests a quarter core), then tokenizer and pool list.
+EPP_STARTUP_SECONDS = 150
 
 
 PROBES = (("startupProbe", "liveness"), ("livenessProbe", "liveness"), ("readinessProbe", "readiness"))
@@ -242,14 +259,24 @@ def crd_problems(objects: list[Obj]) -> list[str]:
     return problems
 
 
-def parse_epp_args(args: list[str]) -> argparse.Namespace:
-    """The real `epp serve` parser; argparse's complaint becomes ValueError."""
+def _parse(parser: argparse.ArgumentParser, command: str, args: list[str]) -> argparse.Namespace:
+    """`args` parsed by a real CLI's subcommand; argparse's complaint becomes ValueError."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return build_parser().parse_args(["serve", *args])
+            return parser.parse_args([command, *args])
     except SystemExit:
         raise ValueError(err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1]) from None
+
+
+def parse_epp_args(args: list[str]) -> argparse.Namespace:
+    """The real `epp serve` parser."""
+    return _parse(build_parser(), "serve", args)
+
+
+def parse_sim_args(args: list[str]) -> argparse.Namespace:
+    """The real `epp-sim serve-engine` parser."""
+    return _parse(sim_parser(), "serve-engine", args)
 
 
 def port_of(container: Obj, ref: str | int | None) -> int | None:
@@ -316,9 +343,13 @@ class Workload:
         """The content of `path` when it is a key of a ConfigMap mounted in `container`."""
         directory, _, key = path.rpartition("/")
         mount = next((m for m in container.get("volumeMounts", []) if m["mountPath"] == directory), None)
-        volume = next((v for v in self.pod.get("volumes", []) if mount and v["name"] == mount["name"]), {})
+        volume: Obj = next(
+            (v for v in self.pod.get("volumes", []) if mount and v["name"] == mount["name"]), {}
+        )
         name = (volume.get("configMap") or {}).get("name")
-        data = next((cm.get("data", {}) for cm in find(objects, "ConfigMap", name) if name), {})
+        data: dict[str, str] = next(
+            (cm.get("data", {}) for cm in find(objects, "ConfigMap", name) if name), {}
+        )
         text: str | None = data.get(key)
         return text
 
@@ -329,19 +360,24 @@ class Stack:
 
     objects: list[Obj]
     epp: Workload
-    vllm: Workload
+    vllm: Workload  # the model servers: vLLM, or its CPU stand-in (then `sim` holds its flags)
     service: Obj
     pool: Obj
     flags: argparse.Namespace
     problems: list[str]
+    sim: argparse.Namespace | None = None
 
     def bad(self, obj: Obj, message: str) -> None:
         self.problems.append(f"{ident(obj)}: {message}")
 
     @property
     def served_model(self) -> str | None:
+        if self.sim is not None:
+            model: str = self.sim.model
+            return model
         named = [a.split("=", 1)[1] for a in self.vllm.args if a.startswith("--served-model-name=")]
-        return (named or [a for a in self.vllm.args if not a.startswith("-")] or [None])[0]
+        positional = [a for a in self.vllm.args if not a.startswith("-")]
+        return next(iter(named or positional), None)
 
 
 def stack_of(objects: list[Obj]) -> Stack | list[str]:
@@ -358,7 +394,18 @@ def stack_of(objects: list[Obj]) -> Stack | list[str]:
         flags = parse_epp_args(epp.args)
     except ValueError as err:
         return [*problems, f"{ident(epp.obj)}: args do not parse with `epp serve`: {err}"]
-    return Stack(objects, epp, vllm, services[0], pools[0], flags, problems)
+    command, sim = vllm.box.get("command"), None
+    if command == SIM_COMMAND:
+        try:
+            sim = parse_sim_args(vllm.args)
+        except ValueError as err:
+            return [*problems, f"{ident(vllm.obj)}: args do not parse with `epp-sim serve-engine`: {err}"]
+    elif command != VLLM_COMMAND:
+        return [
+            *problems,
+            f"{ident(vllm.obj)}: runs {command}, neither `vllm serve` nor `epp-sim serve-engine`",
+        ]
+    return Stack(objects, epp, vllm, services[0], pools[0], flags, problems, sim)
 
 
 def check_config(s: Stack) -> EppConfig | None:
@@ -390,6 +437,14 @@ def check_ports(s: Stack) -> None:
         grpc = (epp.box.get(probe) or {}).get("grpc") or {}
         if (grpc.get("port"), grpc.get("service")) != (f.grpc_health_port, service):
             s.bad(epp.obj, f"{probe} must be gRPC {service} on {f.grpc_health_port}")
+    startup = epp.box.get("startupProbe") or {}
+    budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+    if budget < EPP_STARTUP_SECONDS:
+        s.bad(
+            epp.obj,
+            f"startupProbe allows {budget} s: a new pod compiles its loops first (docs/deployment.md), "
+            f"give it {EPP_STARTUP_SECONDS} s or more",
+        )
     annotations = epp.obj["spec"]["template"]["metadata"].get("annotations", {})
     if annotations.get("prometheus.io/port") != str(f.metrics_port):
         s.bad(epp.obj, f"the prometheus.io/port annotation is not the metrics port {f.metrics_port}")
@@ -456,9 +511,25 @@ def check_pool(s: Stack) -> None:
         s.bad(vllm.obj, f"the readinessProbe must be GET /health on the serving port {serving}")
 
 
-def check_kv_events(s: Stack) -> None:
-    """vLLM publishes with prefix caching, vLLM's JSON keys, on the ports the EPP subscribes to."""
-    vllm, f = s.vllm, s.flags
+def kv_events_settings(s: Stack) -> dict[str, Any] | None:
+    """(endpoint, replay_endpoint, topic) the model server publishes with; None after a problem."""
+    vllm = s.vllm
+    if s.sim is not None:  # the stand-in's own reading of its flags (JSON, then the flags over it)
+        try:
+            cfg = sim_config_from_args(argparse.Namespace(**{**vars(s.sim), "tokenizer": None}))
+        except ValueError as err:
+            s.bad(vllm.obj, f"`epp-sim serve-engine` refuses its flags: {err}")
+            return None
+        if cfg.kv_events_endpoint is None:
+            s.bad(vllm.obj, "KV events are off: give --kv-events-config or --kv-events-endpoint")
+            return None
+        if cfg.kv_events_mode == "connect":
+            s.bad(vllm.obj, "--kv-events-mode connect: per-pod subscribers need the engine to bind")
+        return {
+            "endpoint": cfg.kv_events_endpoint,
+            "replay_endpoint": cfg.kv_replay_endpoint,
+            "topic": cfg.kv_topic,
+        }
     if "--enable-prefix-caching" not in vllm.args:
         s.bad(vllm.obj, "--enable-prefix-caching is missing")
     raw = next((a.split("=", 1)[1] for a in vllm.args if a.startswith("--kv-events-config=")), "")
@@ -466,16 +537,26 @@ def check_kv_events(s: Stack) -> None:
         kv = json.loads(raw)
     except ValueError as err:
         s.bad(vllm.obj, f"--kv-events-config is not JSON: {err}")
-        return
+        return None
     if not isinstance(kv, dict):
         s.bad(vllm.obj, "--kv-events-config must be a JSON object")
-        return
+        return None
     if unknown := sorted(set(kv) - VLLM_KV_EVENTS_KEYS):
         s.bad(vllm.obj, f"--kv-events-config has keys vLLM does not know: {unknown}")
     if kv.get("enable_kv_cache_events") is not True or kv.get("publisher") != "zmq":
         s.bad(vllm.obj, "KV events must be enabled with the zmq publisher")
+    return kv
+
+
+def check_kv_events(s: Stack) -> None:
+    """The model servers publish (vLLM: with prefix caching, vLLM's JSON keys) on the ports the EPP
+    subscribes to, with the topic the index keys on."""
+    vllm, f = s.vllm, s.flags
+    kv = kv_events_settings(s)
     if f.kv_events_mode != "per-pod":
         s.bad(s.epp.obj, f"--kv-events-mode is {f.kv_events_mode}, the pods publish per pod")
+    if kv is None:
+        return
     for key, want in (("endpoint", f.kv_events_port), ("replay_endpoint", f.kv_events_replay_port)):
         m = re.fullmatch(r"tcp://\*:(\d+)", str(kv.get(key)))
         port = int(m.group(1)) if m else None
@@ -489,22 +570,66 @@ def check_kv_events(s: Stack) -> None:
         s.bad(vllm.obj, f"topic {kv.get('topic')!r} must be kv@<pod ip>:{serving}@{s.served_model}")
 
 
-def check_tokenizer(s: Stack, cfg: EppConfig) -> None:
-    """The config's tokenizer for the served model is fetched by the init container into a shared volume."""
-    epp, model = s.epp, s.served_model
-    path = cfg.tokenizers.get(model or "")
-    init = next((c for c in epp.pod.get("initContainers", []) if c["name"] == "fetch-tokenizer"), None)
-    if path is None or init is None:
-        s.bad(epp.obj, f"no tokenizer for the served model {model!r} in the config, or no fetch-tokenizer")
+def check_sim_engine(s: Stack, cfg: EppConfig) -> None:
+    """The CPU stand-in listens where the pool, the EPP and its probes reach it, with the index's blocks."""
+    if s.sim is None:
         return
-    env = epp.env_of(init)
-    if (env.get("MODEL"), env.get("DEST")) != (model, path):
-        s.bad(epp.obj, f"fetch-tokenizer must fetch {model!r} into {path}")
-    under = {m["name"] for m in epp.box.get("volumeMounts", []) if path.startswith(m["mountPath"] + "/")}
+    sim, vllm, serving = s.sim, s.vllm, port_of(s.vllm.box, "http")
+    if sim.host not in ("0.0.0.0", "::"):
+        s.bad(vllm.obj, f"--host {sim.host} is out of reach of the EPP and the gateway: listen on 0.0.0.0")
+    if sim.port != serving:
+        s.bad(vllm.obj, f"--port {sim.port} is not the serving container port {serving}")
+    if sim.block_size != cfg.index.block_size:
+        s.bad(vllm.obj, f"--block-size {sim.block_size} is not the index's blockSize {cfg.index.block_size}")
+
+
+def tokenizer_source(s: Stack, w: Workload, path: str) -> tuple[str, ...] | None:
+    """What fills `path` for `w`'s container: the init container that writes it (fetch-tokenizer:
+    ("fetch", MODEL, REVISION, HF_ENDPOINT); make-tokenizer: ("make", its command without the
+    destination)), on a volume both mount; None (and a problem) when nothing does."""
+    inits = [c for c in w.pod.get("initContainers", []) if c["name"] in TOKENIZER_INITS]
+    if len(inits) != 1:
+        s.bad(w.obj, f"{path}: needs one init container of {list(TOKENIZER_INITS)} to fill it")
+        return None
+    init = inits[0]
+    under = {m["name"] for m in w.box.get("volumeMounts", []) if path.startswith(m["mountPath"] + "/")}
     if not under & {m["name"] for m in init.get("volumeMounts", [])}:
-        s.bad(epp.obj, f"{path} is not on a volume both containers mount")
-    if epp.config_map_file(s.objects, init, init["command"][-1]) is None:
-        s.bad(epp.obj, f"the init container runs {init['command'][-1]}, which no mounted ConfigMap holds")
+        s.bad(w.obj, f"{path} is not on a volume both containers mount")
+    command = init.get("command") or []
+    if init["name"] == "make-tokenizer":
+        if command[:2] != ["python", "-c"] or len(command) != 4 or command[3] != path:
+            s.bad(w.obj, f"make-tokenizer must be `python -c CODE {path}`")
+            return None
+        if "build_tiny_tokenizer(" not in command[2]:
+            s.bad(w.obj, "make-tokenizer's code must call epp.testing.tokenizer.build_tiny_tokenizer")
+        return ("make", *command[:3])
+    env = w.env_of(init)
+    if (env.get("MODEL"), env.get("DEST")) != (s.served_model, path):
+        s.bad(w.obj, f"fetch-tokenizer must fetch {s.served_model!r} into {path}")
+    if w.config_map_file(s.objects, init, command[-1] if command else "") is None:
+        s.bad(w.obj, f"the init container runs {command[-1:]}, which no mounted ConfigMap holds")
+    return ("fetch", *(env.get(k, "") for k in ("MODEL", "REVISION", "HF_ENDPOINT")))
+
+
+def check_tokenizer(s: Stack, cfg: EppConfig) -> None:
+    """The config has a tokenizer for the served model, an init container fills it on a shared volume,
+    and it is the engine's own: the model's (fetched) for vLLM, the same made one for the stand-in."""
+    model = s.served_model
+    path = cfg.tokenizers.get(model or "")
+    if path is None:
+        s.bad(s.epp.obj, f"no tokenizer for the served model {model!r} in the config")
+        return
+    epp_source = tokenizer_source(s, s.epp, path)
+    if s.sim is None:
+        if epp_source is not None and epp_source[0] != "fetch":
+            s.bad(s.epp.obj, "vLLM tokenizes with the model's own tokenizer: fetch it (fetch-tokenizer)")
+        return
+    if s.sim.tokenizer is None:
+        s.bad(s.vllm.obj, "no --tokenizer: the engine would refuse text and chat prompts")
+        return
+    engine_source = tokenizer_source(s, s.vllm, s.sim.tokenizer)
+    if None not in (epp_source, engine_source) and epp_source != engine_source:
+        s.bad(s.vllm.obj, "its tokenizer is not made as the EPP's: prompts would not key its blocks")
 
 
 def stack_problems(objects: list[Obj]) -> list[str]:
@@ -518,6 +643,7 @@ def stack_problems(objects: list[Obj]) -> list[str]:
     check_pool(s)
     check_kv_events(s)
     if cfg is not None:
+        check_sim_engine(s, cfg)
         check_tokenizer(s, cfg)
     return s.problems
 
@@ -587,6 +713,15 @@ def dashboard_problems(dashboard: Obj, series: dict[str, frozenset[str]]) -> lis
     ids = [p.get("id") for p in _panels(dashboard)]
     if len(ids) != len(set(ids)):
         problems.append("panel ids are not unique")
+    boxes = [(p.get("title"), p.get("gridPos", {})) for p in dashboard.get("panels", [])]
+    for i, (a, pa) in enumerate(boxes):
+        for b, pb in boxes[i + 1 :]:
+            if all(
+                pa.get(lo, 0) < pb.get(lo, 0) + pb.get(ext, 0)
+                and pb.get(lo, 0) < pa.get(lo, 0) + pa.get(ext, 0)
+                for lo, ext in (("x", "w"), ("y", "h"))
+            ):
+                problems.append(f"panels {a!r} and {b!r} overlap")
     variables = {v["name"] for v in dashboard.get("templating", {}).get("list", [])}
     for var in dashboard.get("templating", {}).get("list", []):
         query = var.get("query") if var.get("type") == "query" else None
@@ -691,21 +826,55 @@ SCRIPT = DEPLOY / "base" / "fetch-tokenizer.py"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-@contextlib.asynccontextmanager
-async def hub(files: dict[str, bytes], token: str | None = None) -> AsyncIterator[tuple[str, list[str]]]:
-    """A local stand-in for the Hub's /{repo}/resolve/{revision}/{file}; records the paths asked for."""
-    seen: list[str] = []
+@dataclass(frozen=True)
+class Hit:
+    """A request a local stand-in server received: its path and its Authorization header."""
 
-    async def resolve(request: web.Request) -> web.Response:
-        seen.append(request.path)
+    path: str
+    authorization: str | None
+
+
+@contextlib.asynccontextmanager
+async def hub(
+    files: dict[str, bytes], token: str | None = None, redirect: Callable[[str], str] | None = None
+) -> AsyncIterator[tuple[str, list[Hit]]]:
+    """A local stand-in for the Hub's /{repo}/resolve/{revision}/{file}; records every request.
+
+    With `token`, resolve answers 401 unless `Authorization: Bearer <token>` comes with it. With
+    `redirect`, resolve answers an existing file with a 302 to `redirect(file)` (the Hub sends large
+    files to its CDN that way). Any server also serves /blobs/{file} to anyone (a CDN), and answers
+    /hop/{n}/{file} with a 302 to /hop/{n+1}/{file} (a redirect loop)."""
+    seen: list[Hit] = []
+
+    def record(request: web.Request) -> None:
+        seen.append(Hit(request.path, request.headers.get("Authorization")))
+
+    async def resolve(request: web.Request) -> web.StreamResponse:
+        record(request)
         if token is not None and request.headers.get("Authorization") != f"Bearer {token}":
             return web.Response(status=401)
         m = request.match_info
         body = files.get(m["file"]) if (f"{m['org']}/{m['name']}", m["rev"]) == (MODEL, "main") else None
+        if body is None:
+            return web.Response(status=404)
+        if redirect is not None:
+            return web.Response(status=302, headers={"Location": redirect(m["file"])})
+        return web.Response(body=body)
+
+    async def blob(request: web.Request) -> web.Response:
+        record(request)
+        body = files.get(request.match_info["file"])
         return web.Response(status=404) if body is None else web.Response(body=body)
+
+    async def hop(request: web.Request) -> web.Response:
+        record(request)
+        n, name = int(request.match_info["n"]), request.match_info["file"]
+        return web.Response(status=302, headers={"Location": f"/hop/{n + 1}/{name}"})
 
     app = web.Application()
     app.router.add_get("/{org}/{name}/resolve/{rev}/{file}", resolve)
+    app.router.add_get("/blobs/{file}", blob)
+    app.router.add_get("/hop/{n:\\d+}/{file}", hop)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -713,6 +882,15 @@ async def hub(files: dict[str, bytes], token: str | None = None) -> AsyncIterato
         yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
     finally:
         await runner.cleanup()
+
+
+def fetch_script() -> Any:
+    """deploy/base/fetch-tokenizer.py as a module (its name has a hyphen, so no plain import)."""
+    spec = importlib.util.spec_from_file_location("fetch_tokenizer", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 async def run_script(env: dict[str, str]) -> tuple[int, str, str]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,7 @@ from tests.support.deploy_checks import (
     crd_problems,
     dashboard_problems,
     epp_series,
+    fetch_script,
     find,
     hub,
     inference_perf_problems,
@@ -84,6 +87,8 @@ def test_overlays_size_the_epp_for_their_purpose() -> None:
     assert [s.epp.obj["spec"]["replicas"] for s in (base, dev, prod)] == [2, 1, 3]
     assert dev.epp.box["resources"]["requests"] != base.epp.box["resources"]["requests"]
     assert (dev.flags.log_level, base.flags.log_level, prod.flags.log_level) == ("debug", "info", "info")
+    # /debug/* (decisions, endpoints, index) is for development; production serves only /metrics etc.
+    assert [st.flags.enable_debug_endpoints for st in (base, dev, prod)] == [True, True, False]
     # Production: a PDB keeps the EPP serving through drains; replicas spread over nodes and zones.
     pdbs = [
         p
@@ -99,6 +104,95 @@ def test_overlays_size_the_epp_for_their_purpose() -> None:
     for st in (base, dev, prod):
         pause = st.epp.box["lifecycle"]["preStop"]["exec"]["command"]
         assert pause[0] == "sleep" and int(pause[1]) < st.epp.pod["terminationGracePeriodSeconds"]
+
+
+def _quantity(text: str | int) -> float:
+    """A Kubernetes CPU or memory quantity as a number (cores, bytes)."""
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    t = str(text)
+    unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), "")
+    return float(t[: len(t) - len(unit)]) * units.get(unit, 1)
+
+
+def test_dev_runs_on_a_cluster_without_gpus_or_secrets() -> None:
+    dev, base = stack("overlays/dev"), stack("base")
+    # vLLM needs a GPU (the base asks for one); dev runs its CPU stand-in from the EPP image.
+    assert base.sim is None and base.vllm.box["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert dev.sim is not None and dev.vllm.box["image"] == dev.epp.box["image"] == "epp:dev"
+    text = yaml.safe_dump_all(built("overlays/dev"))
+    assert "nvidia.com/gpu" not in text and "secretKeyRef" not in text and "hf-token" not in text
+    # Same model name as the base, so requests, the config and the benchmarks are the same.
+    assert dev.served_model == base.served_model
+    # Small: everything running at once asks for under a core and 2GiB.
+    running = [
+        c
+        for d in find(built("overlays/dev"), "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for _ in range(d["spec"]["replicas"])
+    ]
+    assert sum(_quantity(c["resources"]["requests"]["cpu"]) for c in running) < 1
+    assert sum(_quantity(c["resources"]["requests"]["memory"]) for c in running) < 2 * 2**30
+
+
+def test_dev_pods_make_the_same_tokenizer_and_the_epp_loads_it(tmp_path: Path) -> None:
+    dev = stack("overlays/dev")
+    dirs = []
+    for w in (dev.epp, dev.vllm):  # each pod's init container, run here into tmp_path
+        init = next(c for c in w.pod["initContainers"] if c["name"] == "make-tokenizer")
+        _, flag, code, dest = init["command"]
+        dirs.append(tmp_path / dest.strip("/"))
+        subprocess.run([sys.executable, flag, code, str(dirs[-1])], cwd=ROOT, check=True, timeout=120)
+    made = [{p.name: p.read_bytes() for p in d.iterdir()} for d in dirs]
+    assert made[0] == made[1] and sorted(made[0]) == ["tokenizer.json", "tokenizer_config.json"]
+    epp, engine = (PromptTokenizer.from_dir(d) for d in dirs)
+    messages = [{"role": "user", "content": "What is in the KV cache?"}]
+    assert epp.has_chat_template and len(list(epp.encode_chat(messages))) > 5
+    assert list(epp.encode_chat(messages)) == list(engine.encode_chat(messages))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        (
+            "        - --host=0.0.0.0\n",
+            "        - --host=127.0.0.1\n",
+            "Deployment/vllm-llama3-8b: --host 127.0.0.1 is out of reach of the EPP and the gateway",
+        ),
+        (
+            "        - --block-size=16\n",
+            "        - --block-size=32\n",
+            "Deployment/vllm-llama3-8b: --block-size 32 is not the index's blockSize 16",
+        ),
+        (
+            "        - --num-gpu-blocks=4096\n",
+            "        - --num-gpu-blcks=4096\n",
+            "Deployment/vllm-llama3-8b: args do not parse with `epp-sim serve-engine`: "
+            "unrecognized arguments: --num-gpu-blcks=4096",
+        ),
+        (
+            '"endpoint": "tcp://*:5557"',
+            '"endpoint": "tcp://*:5559"',
+            "Deployment/vllm-llama3-8b: KV events endpoint port 5559 is not the EPP's 5557",
+        ),
+        (
+            "build_tiny_tokenizer(sys.argv[1])\n        - /var/lib/engine/tokenizer",
+            "build_tiny_tokenizer(sys.argv[1], vocab_size=1024)\n        - /var/lib/engine/tokenizer",
+            "Deployment/vllm-llama3-8b: its tokenizer is not made as the EPP's",
+        ),
+        (
+            "        - name: tokenizer\n          mountPath: /var/lib/engine\n          readOnly: true\n",
+            "",
+            "Deployment/vllm-llama3-8b: /var/lib/engine/tokenizer is not on a volume both containers mount",
+        ),
+    ],
+)
+def test_a_broken_dev_engine_is_reported_and_nothing_else(
+    tmp_path: Path, old: str, new: str, message: str
+) -> None:
+    root = _broken(tmp_path, "overlays/dev/kustomization.yaml", old, new)
+    problems = all_problems(build(root / "overlays/dev"))
+    assert problems and problems[0].startswith(message), problems
+    assert {p.split(":")[0] for p in problems} == {message.split(":")[0]}, problems
 
 
 def test_envoy_gateway_values_declare_inference_pool_backends() -> None:
@@ -127,8 +221,15 @@ def test_dockerfile_matches_the_cli_and_the_manifests() -> None:
         assert s.epp.pod["securityContext"]["runAsNonRoot"] is True
         assert s.epp.pod["securityContext"]["runAsUser"] == uid
         assert {p["containerPort"] for p in s.epp.box["ports"]} == exposed
-        if s.epp.box["securityContext"].get("readOnlyRootFilesystem"):  # numba must write its cache
-            mounts = [m["mountPath"] for m in s.epp.box["volumeMounts"] if not m.get("readOnly")]
+        # Every container of the image that imports the compiled loops (the EPP, the dev engines;
+        # not the init containers) must be able to write numba's cache: a read-only cache
+        # directory fails the import ("no locator available").
+        for w in (s.epp, s.vllm):
+            if w.box["image"] != s.epp.box["image"]:
+                continue
+            assert w.pod["securityContext"]["runAsUser"] == uid
+            assert w.box["securityContext"]["readOnlyRootFilesystem"] is True
+            mounts = [m["mountPath"] for m in w.box["volumeMounts"] if not m.get("readOnly")]
             assert any(cache_dir.startswith(m.rstrip("/") + "/") for m in mounts), (cache_dir, mounts)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", "tests", ".git"} <= set(ignored) and not {"epp", "simulator"} & set(ignored)
@@ -180,6 +281,12 @@ def test_dockerfile_matches_the_cli_and_the_manifests() -> None:
             "            service: readiness",
             "            service: ready",
             "Deployment/epp: readinessProbe must be gRPC readiness on 9003",
+        ),
+        (
+            "base/epp-deployment.yaml",
+            "          failureThreshold: 90\n",
+            "          failureThreshold: 30\n",
+            "Deployment/epp: startupProbe allows 60 s: a new pod compiles its loops first",
         ),
         (
             "base/epp-service.yaml",
@@ -234,8 +341,12 @@ def test_kustomize_stand_in_refuses_what_it_does_not_implement(tmp_path: Path) -
     root = _broken(tmp_path, "overlays/dev/kustomization.yaml", "namespace: inference-dev", "namePrefix: x-")
     with pytest.raises(KustomizeError, match=r"unsupported kustomization field\(s\) \['namePrefix'\]"):
         build(root / "overlays/dev")
+    resources = "      path: /spec/template/spec/containers/0/resources\n"
     root = _broken(
-        tmp_path / "b", "overlays/dev/kustomization.yaml", "    - op: replace\n", "    - op: move\n"
+        tmp_path / "b",
+        "overlays/dev/kustomization.yaml",
+        "    - op: replace\n" + resources,
+        "    - op: move\n" + resources,
     )
     with pytest.raises(KustomizeError, match="JSON patch op 'move' is not supported"):
         build(root / "overlays/dev")
@@ -266,8 +377,17 @@ def test_dashboard_queries_only_what_the_epp_exports() -> None:
         "epp_endpoint_in_flight_requests",
         "epp_time_to_first_byte_seconds_bucket",  # observed TTFT
         "epp_cost_model_prefill_scale",  # calibration of the estimate
+        "epp_discovery_synced",  # discovery health
+        "epp_discovery_errors_total",
     }
     assert charted - queried == set()
+    by_kind = [
+        promql_refs(t["expr"])[2]
+        for p in _panels(dashboard)
+        for t in p.get("targets", [])
+        if "epp_discovery_errors_total" in promql_refs(t["expr"])[0]
+    ]
+    assert by_kind and all("kind" in by for by in by_kind)  # forbidden (RBAC) apart from unreachable
 
 
 def test_dashboard_with_an_unknown_metric_label_or_legend_is_reported() -> None:
@@ -283,6 +403,13 @@ def test_dashboard_with_an_unknown_metric_label_or_legend_is_reported() -> None:
     assert dashboard_problems(dashboard, epp_series()) == [
         f"panel {panel['title']!r}: label(s) ['model'] are not on ['inference_objective_request_total']",
         f"panel {panel['title']!r}: the legend uses ['model_name'], which the query does not group by",
+    ]
+    target["expr"] = good
+    row = next(p for p in dashboard["panels"] if p["title"] == "Kubernetes discovery")
+    row["gridPos"]["y"] = 85  # onto the three panels above it
+    assert dashboard_problems(dashboard, epp_series()) == [
+        f"panels {above!r} and 'Kubernetes discovery' overlap"
+        for above in ("Metrics scrape errors", "Metrics age per pod", "Pods in rotation")
     ]
 
 
@@ -311,6 +438,26 @@ def test_deployment_guide_names_only_files_that_exist() -> None:
     assert "guidellm run" in text and f"model={stack('base').served_model}" in text
 
 
+def test_port_forwards_go_where_envoy_gateway_puts_the_gateways_envoy() -> None:
+    # Envoy Gateway runs a Gateway's Envoy (and its Service) in its own namespace, labelled with the
+    # Gateway's name and namespace; a port-forward in the pool's namespace finds nothing.
+    gateways = {
+        (g["metadata"]["name"], g["metadata"]["namespace"]) for t in STACKS for g in find(built(t), "Gateway")
+    }
+    for path in (ROOT / "docs" / "deployment.md", DEPLOY / "benchmarking" / "inference-perf.yaml"):
+        text = path.read_text()
+        namespaces = re.findall(r"kubectl (?:-n (\S+) )?(?:get service|port-forward)", text)
+        assert namespaces and set(namespaces) == {"envoy-gateway-system"}, (path, namespaces)
+        selectors = re.findall(
+            r"gateway\.envoyproxy\.io/owning-gateway-name=([\w-]+),"
+            r"gateway\.envoyproxy\.io/owning-gateway-namespace=(\$NS|[\w-]+)",
+            text,
+        )
+        given = re.findall(r"^\s*NS=([\w-]+)", text, re.M)  # what $NS is set to, where it is used
+        named = {(n, x) for n, ns in selectors for x in (given if ns == "$NS" else [ns])}
+        assert named and named <= gateways, (path, named)
+
+
 async def test_fetch_tokenizer_writes_a_directory_the_epp_loads(tmp_path: Path) -> None:
     source = build_tiny_tokenizer(tmp_path / "source")
     files = {n: (source / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
@@ -321,7 +468,7 @@ async def test_fetch_tokenizer_writes_a_directory_the_epp_loads(tmp_path: Path) 
     assert (code, err) == (0, "")
     assert out.strip() == f"fetch-tokenizer: {MODEL}: wrote tokenizer.json, tokenizer_config.json to {dest}"
     assert sorted(p.name for p in dest.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
-    assert f"/{MODEL}/resolve/main/chat_template.jinja" in seen  # optional files are asked for
+    assert f"/{MODEL}/resolve/main/chat_template.jinja" in [h.path for h in seen]  # optional files too
     loaded, original = PromptTokenizer.from_dir(dest), PromptTokenizer.from_dir(source)
     messages = [{"role": "user", "content": "hello there"}]
     assert loaded.has_chat_template
@@ -348,3 +495,53 @@ async def test_fetch_tokenizer_failures_say_why_and_write_nothing(tmp_path: Path
     assert not dest.exists()  # the good tokenizer.json fetched before was not written either
     code, _, err = await run_script({"DEST": str(dest)})
     assert (code, err.strip()) == (2, "fetch-tokenizer: set MODEL")
+
+
+async def test_fetch_tokenizer_does_not_send_the_token_where_the_hub_redirects(tmp_path: Path) -> None:
+    # The Hub answers large files with a 302 to its CDN; urllib would carry Authorization along.
+    files = {"tokenizer.json": b'{"model": {}}', "tokenizer_config.json": b'{"bos_token": "<s>"}'}
+    dest = tmp_path / "out"
+    async with (
+        hub(files) as (cdn, cdn_seen),
+        hub(files, token="secret", redirect=lambda name: f"{cdn}/blobs/{name}") as (url, seen),
+    ):
+        env = {"MODEL": MODEL, "DEST": str(dest), "HF_ENDPOINT": url, "HF_TOKEN": "secret"}
+        code, _, err = await run_script(env)
+    assert (code, err) == (0, "")
+    assert {n: (dest / n).read_bytes() for n in files} == files  # downloaded through the redirect
+    assert {h.authorization for h in seen} == {"Bearer secret"}
+    # Another port on the same address is another origin: the CDN never sees the token.
+    assert sorted(h.path for h in cdn_seen) == ["/blobs/tokenizer.json", "/blobs/tokenizer_config.json"]
+    assert {h.authorization for h in cdn_seen} == {None}
+
+
+async def test_fetch_tokenizer_keeps_the_token_on_a_redirect_within_the_hub(tmp_path: Path) -> None:
+    files = {"tokenizer.json": b'{"model": {}}'}
+    dest = tmp_path / "out"
+    async with hub(files, token="secret", redirect=lambda name: f"/blobs/{name}") as (url, seen):
+        env = {"MODEL": MODEL, "DEST": str(dest), "HF_ENDPOINT": url, "HF_TOKEN": "secret"}
+        code, _, err = await run_script(env)
+    assert (code, err) == (0, "")
+    assert (dest / "tokenizer.json").read_bytes() == files["tokenizer.json"]
+    assert [h.authorization for h in seen if h.path == "/blobs/tokenizer.json"] == ["Bearer secret"]
+
+
+async def test_fetch_tokenizer_stops_a_redirect_loop_and_says_so(tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    async with hub({"tokenizer.json": b"{}"}, redirect=lambda name: f"/hop/1/{name}") as (url, seen):
+        code, _, err = await run_script({"MODEL": MODEL, "DEST": str(dest), "HF_ENDPOINT": url})
+    assert (code, err.strip()) == (
+        1,
+        f"fetch-tokenizer: {url}/{MODEL}/resolve/main/tokenizer.json: more than 5 redirects "
+        f"(the last to {url}/hop/6/tokenizer.json)",
+    )
+    assert [h.path for h in seen][-1] == "/hop/5/tokenizer.json" and not dest.exists()
+
+
+def test_fetch_tokenizer_origins_compare_scheme_host_and_port() -> None:
+    origin = fetch_script().origin
+    assert origin("https://HuggingFace.co/a/resolve/main/x") == origin("https://huggingface.co:443/b")
+    assert origin("http://127.0.0.1:8080/a") == origin("http://127.0.0.1:8080/b?c=d")
+    assert origin("http://127.0.0.1:8080/a") != origin("http://127.0.0.1:8081/a")
+    assert origin("https://huggingface.co/a") != origin("http://huggingface.co/a")  # no downgrade
+    assert origin("https://huggingface.co/a") != origin("https://cdn-lfs.huggingface.co/a")
