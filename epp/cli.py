@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
     c.add_argument("file")
+    c.add_argument(
+        "--skip-tokenizers",
+        action="store_true",
+        help="do not load the `tokenizers` directories (check a deployment's config off the machine "
+        "that has them); their entries are still checked for shape",
+    )
     sub.add_parser("plugins", help="list the plugin types this build knows")
     from epp.demo.runner import add_arguments as add_demo_arguments
 
@@ -224,12 +230,13 @@ def _load(args: argparse.Namespace) -> EppConfig:
     return dataclasses.replace(cfg, kv_events=kv, tokenizers=tokenizers)
 
 
-def _check(cfg: EppConfig) -> None:
-    """Build the scheduler as `epp serve` does (with the KV index and cost model services)."""
+def _check(cfg: EppConfig, *, tokenizers: bool = True) -> None:
+    """Build the scheduler as `epp serve` does (with the KV index and cost model services); `tokenizers`:
+    load the tokenizer directories too."""
     kv = KvIndexService(
         BlockIndex(block_size=cfg.index.block_size, max_entries=cfg.index.max_entries),
         FreshnessTracker(),
-        TokenizerRegistry(cfg.tokenizers),
+        TokenizerRegistry(cfg.tokenizers if tokenizers else {}),
         cfg.index.block_size,
     )
     services = {SERVICE_KEY: kv, COST_KEY: CostModel(cfg.cost_model)}
@@ -310,8 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.command == "check-config":
-            _check(load_config(args.file))
-            print(f"{args.file}: ok")
+            _check(load_config(args.file), tokenizers=not args.skip_tokenizers)
+            print(f"{args.file}: ok" + (" (tokenizers not loaded)" if args.skip_tokenizers else ""))
             return 0
         cfg = _load(args)
         if args.unhealthy_after < 1:

@@ -118,3 +118,12 @@ def test_bad_kv_bind_flag_is_a_config_error(capsys: pytest.CaptureFixture[str]) 
     ]
     assert main(args) == 2
     assert "bind" in capsys.readouterr().err
+
+
+def test_check_config_can_skip_loading_tokenizers(capsys: pytest.CaptureFixture[str]) -> None:
+    """A deployment's config names tokenizer directories that exist only in the pod."""
+    path = ROOT / "deploy" / "base" / "epp-config.yaml"
+    assert main(["check-config", str(path)]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+    assert main(["check-config", "--skip-tokenizers", str(path)]) == 0
+    assert "ok (tokenizers not loaded)" in capsys.readouterr().out
