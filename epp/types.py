@@ -6,9 +6,13 @@ import enum
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epp.frozen import twin
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 EndpointId = str
 """An endpoint is named by its `ip:port`, exactly as Envoy receives it."""
@@ -258,6 +262,27 @@ credit / none (index off, prompt not keyable, or every candidate stale)."""
 
 
 @dataclass(frozen=True, slots=True)
+class RankTerms:
+    """How the ttft-scorer ranked the candidates beyond their estimates, aligned with `ids`: the seconds
+    it charged a candidate for copying into its KV a prefix another candidate holds (`copyWeight`; 0
+    when none), and which candidates were near-ties (ranked by cached tokens, then KV usage). Arrays as
+    the scorer computed them: nothing is built per candidate unless an explanation is rendered."""
+
+    ids: Sequence[EndpointId]
+    copy_charge_s: Sequence[float] | npt.NDArray[np.float64] | None  # None: no candidate was charged
+    near_tie: Sequence[bool] | npt.NDArray[np.bool_]
+
+    def of(self, endpoint: EndpointId) -> tuple[float, bool] | None:
+        """(copy charge in seconds, near-tie) of one candidate, None if it was not ranked."""
+        try:
+            i = list(self.ids).index(endpoint)
+        except ValueError:
+            return None
+        charge = 0.0 if self.copy_charge_s is None else float(self.copy_charge_s[i])
+        return charge, bool(self.near_tie[i])
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """The outcome of a scheduling cycle: endpoints in order (first is primary)."""
 
@@ -267,6 +292,7 @@ class Decision:
     scores: Mapping[EndpointId, float] = field(default_factory=dict)
     mode: str = ""  # one of PICK_MODES when a cache-aware plugin ran, else ""
     estimates: Mapping[EndpointId, TtftEstimate] = field(default_factory=dict)
+    ranking: RankTerms | None = None  # the ttft-scorer's ranking terms, when it ran
 
     @property
     def primary(self) -> EndpointId:

@@ -17,6 +17,8 @@ ESTIMATES = "ttft_estimates"
 """{endpoint id: TtftEstimate} of this cycle."""
 FASTEST = "ttft_min_s"
 """The smallest estimated time to first token among the candidates (seconds)."""
+RANKING = "ttft_ranking"
+"""`epp.types.RankTerms` of this cycle: how the ttft-scorer ranked beyond the estimates."""
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from epp.clock import Clock
 from epp.scheduling.admission import Admission
 from epp.scheduling.errors import NoEndpointsError, PoolSaturatedError
-from epp.scheduling.framework import ESTIMATES, FASTEST, MODE, CycleState, ProfileHandler
+from epp.scheduling.framework import ESTIMATES, FASTEST, MODE, RANKING, CycleState, ProfileHandler
 from epp.scheduling.profile import PluginTiming, SchedulerProfile
 from epp.scheduling.saturation import SaturationDetector
 from epp.types import Decision, Endpoint, InferenceRequest
@@ -63,5 +63,6 @@ class Scheduler:
             scores=result.scores,
             mode=data.get(MODE, ""),
             estimates=data.get(ESTIMATES) or {},
+            ranking=data.get(RANKING),
         )
         return ScheduleResult(decision, tuple(timings))

@@ -63,6 +63,10 @@ class DecisionLog:
                 est = d.estimates.get(ep)
                 if est is not None:
                     entry.update({k: round(v, 6) for k, v in est.terms().items()})
+                ranked = d.ranking.of(ep) if d.ranking is not None else None
+                if ranked is not None:  # why a candidate with a larger ttft_s can rank first
+                    entry["copy_charge_s"] = round(ranked[0], 6)
+                    entry["near_tie"] = ranked[1]
                 candidates.append(entry)
             candidates.sort(key=lambda c: (c.get("ttft_s", 0.0), -c["score"]))
             out.append(
@@ -98,4 +102,12 @@ def header_value(decision: Decision) -> str:
             f"cached_tokens={est.cached_tokens}",
             f"prompt_tokens={est.prompt_tokens}",
         ]
+    ranked = decision.ranking.of(decision.primary) if decision.ranking is not None else None
+    if ranked is not None and decision.ranking is not None:
+        ties = int(sum(bool(t) for t in decision.ranking.near_tie))
+        if ties > 1:
+            parts.append(f"near_ties={ties}")  # ranked by cached tokens, then KV usage
+        charged = decision.ranking.copy_charge_s
+        if charged is not None and max(charged) > 0:
+            parts.append(f"copy_charged={sum(1 for c in charged if c > 0)}")  # others charged for a copy
     return "; ".join(parts)

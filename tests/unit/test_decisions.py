@@ -6,7 +6,7 @@ import pytest
 
 from epp.server.decisions import DECISION_HEADER, DecisionLog, header_value
 from epp.testing.fakes import chat_request
-from epp.types import Decision, InferenceRequest, PrefillWork, TtftEstimate
+from epp.types import Decision, InferenceRequest, PrefillWork, RankTerms, TtftEstimate
 
 
 def est(
@@ -126,3 +126,31 @@ def test_header_value_without_mode_or_estimate() -> None:
     assert header_value(decision(winner="a:1", mode="")).startswith(
         "endpoint=a:1; profile=default; ttft=0.4000;"
     )
+
+
+def test_the_ranking_terms_explain_a_winner_with_a_larger_ttft() -> None:
+    """The ttft-scorer charged c for copying a prefix and ranked a and b as near-ties: the explanation
+    and the header say so, next to the estimates."""
+    d = Decision(
+        endpoints=("a:1",),
+        profile="default",
+        reason="scored",
+        scores={"a:1": 1.0, "b:1": 0.99, "c:1": 0.4},
+        estimates={"a:1": est(0.3, 0.1), "b:1": est(0.3, 0.1), "c:1": est(0.0, 0.2)},
+        ranking=RankTerms(("a:1", "b:1", "c:1"), [0.0, 0.0, 0.5], [True, True, False]),
+    )
+    log = DecisionLog()
+    log.add(1.0, request(1), d)
+    cands = {c["endpoint"]: c for c in log.render(1, 1.0)["decisions"][0]["candidates"]}
+    assert (cands["c:1"]["copy_charge_s"], cands["c:1"]["near_tie"]) == (0.5, False)
+    assert (cands["a:1"]["copy_charge_s"], cands["a:1"]["near_tie"]) == (0.0, True)
+    assert cands["c:1"]["ttft_s"] < cands["a:1"]["ttft_s"]
+    assert header_value(d).endswith("; near_ties=2; copy_charged=1")
+    uncharged = Decision(
+        endpoints=("a:1",),
+        profile="p",
+        reason="scored",
+        ranking=RankTerms(("a:1", "b:1"), None, [True, False]),
+    )
+    assert "near_ties" not in header_value(uncharged) and "copy_charged" not in header_value(uncharged)
+    assert RankTerms(("a:1",), None, [True]).of("z:1") is None

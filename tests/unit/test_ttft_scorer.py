@@ -21,7 +21,7 @@ from epp.kvindex.prompt import TokenizerRegistry
 from epp.kvindex.service import SERVICE_KEY as KV_KEY
 from epp.kvindex.service import KvIndexService
 from epp.scheduling.builtin import default_registry
-from epp.scheduling.framework import ESTIMATES, FASTEST, MODE, CycleState, PluginHandle
+from epp.scheduling.framework import ESTIMATES, FASTEST, MODE, RANKING, CycleState, PluginHandle
 from epp.scheduling.registry import PluginParamsError
 from epp.scheduling.scheduler import Scheduler
 from epp.testing.fakes import FakeClock, chat_request, endpoint, token_request
@@ -451,6 +451,11 @@ def test_copying_a_held_prefix_costs_more_as_the_target_pods_kv_fills() -> None:
     assert off[1] == 1.0 > off[0]
     empty_target, _ = pick(0.0, holder=0.95)
     assert empty_target[1] == 1.0 > empty_target[0]
+    # the ranking terms explain the pick: b was charged for the copy (more than the estimates' gap)
+    ranking = st_high.data[RANKING]
+    charge_b = ranking.of("b:1")[0]
+    assert ranking.of("a:1") == (0.0, True) and charge_b > table.ttft[0] - table.ttft[1] > 0
+    assert st_low.data[RANKING].copy_charge_s is None  # nobody's KV in use: nothing charged
 
 
 def test_default_profile_cpu_tier_beats_recompute_for_a_long_prompt_not_a_short_one() -> None:

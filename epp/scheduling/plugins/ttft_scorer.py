@@ -47,12 +47,12 @@ from epp.costmodel.service import CostModel
 from epp.kvindex.service import SERVICE_KEY as KV_KEY
 from epp.kvindex.service import KvIndexService
 from epp.kvindex.speculative import SpeculativeBlocks
-from epp.scheduling.framework import ESTIMATES, FASTEST, CycleState, PluginHandle
+from epp.scheduling.framework import ESTIMATES, FASTEST, RANKING, CycleState, PluginHandle
 from epp.scheduling.plugins.cache_mode import creditable, load_only
 from epp.scheduling.plugins.prompt_keys import prompt_info, prompt_key_list
 from epp.scheduling.plugins.speculation import remember, speculative_blocks
 from epp.scheduling.registry import Params, PluginParamsError, PluginSpec
-from epp.types import Endpoint, EndpointId, InferenceRequest
+from epp.types import Endpoint, EndpointId, InferenceRequest, RankTerms
 
 _TIE_STEP = 0.01  # near-ties' scores step down by this x KV usage: they stay above the band's others
 _MAX_PRESSURE = 2.0  # u / (1 - u) reaches it at u = 2/3: past that, every copy costs the same
@@ -145,6 +145,7 @@ class TtftScorer:
         state.data[FASTEST] = best
         cached = table.cached
         usage: F64 | None = None  # each candidate's KV usage, -1 without metrics (read once, if needed)
+        copy: F64 | None = None
         if self.copy_weight > 0 and len(endpoints) > 1 and cached.max() > 0:
             usage = _kv_usage(endpoints)
             copy = self._copy_cost(table, usage)
@@ -153,6 +154,7 @@ class TtftScorer:
                 best = float(times.min())
         cut = best + max(best * self.band, self.band_s)
         tied = times <= cut
+        state.data[RANKING] = RankTerms(table.ids, copy, tied)
         plain = best / times
         top: float | F64 = 1.0
         if tied.sum() > 1:
