@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.config import parse_config
+from epp.config import EppConfig, parse_config
 from epp.scheduling.builtin import default_registry
 from epp.scheduling.registry import NoParams, PluginSpec
 from epp.server.app import EppServer, ServerSettings
@@ -67,17 +67,20 @@ async def test_no_endpoints_gets_503() -> None:
         assert error_of(text)["type"] == "ServiceUnavailable"
 
 
-FAST_STALENESS = """
+def staleness_config(max_age: str) -> EppConfig:
+    """The staleness filter (`maxAge`) and the queue scorer."""
+    text = f"""
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: metrics-staleness-filter
-  parameters: {maxAge: 100ms}
+  parameters: {{maxAge: {max_age}}}
 - type: queue-scorer
 schedulingProfiles:
 - name: default
-  plugins: [{pluginRef: metrics-staleness-filter}, {pluginRef: queue-scorer}]
+  plugins: [{{pluginRef: metrics-staleness-filter}}, {{pluginRef: queue-scorer}}]
 """
+    return parse_config(text, f"staleness-{max_age}.yaml")
 
 
 async def test_every_endpoint_filtered_gets_429() -> None:
@@ -85,7 +88,7 @@ async def test_every_endpoint_filtered_gets_429() -> None:
     # older than maxAge the staleness filter removes every endpoint. (Scraping switched off with the
     # filter in the profile is refused at start: tests/integration/test_startup_checks.py.)
     settings = replace(ServerSettings(), metrics_timeout=30.0)
-    async with stack(2, config=parse_config(FAST_STALENESS, "fast.yaml"), settings=settings) as st:
+    async with stack(2, config=staleness_config("100ms"), settings=settings) as st:
         for b in st.backends:
             b.metrics_mode = "hang"
         clock, records = st.epp.clock, st.epp.datastore.records
@@ -254,20 +257,7 @@ async def test_backend_with_failing_metrics_stops_receiving_traffic_and_returns(
 
 
 async def test_stale_metrics_stop_traffic_via_the_staleness_filter() -> None:
-    cfg = parse_config(
-        """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: metrics-staleness-filter
-  parameters: {maxAge: 300ms}
-- type: queue-scorer
-schedulingProfiles:
-- name: default
-  plugins: [{pluginRef: metrics-staleness-filter}, {pluginRef: queue-scorer}]
-""",
-        "stale.yaml",
-    )
+    cfg = staleness_config("300ms")
     # A hung /metrics with a long scrape timeout: the endpoint stays "healthy" but its data ages.
     settings = replace(ServerSettings(), metrics_timeout=30.0)
     async with stack(2, config=cfg, settings=settings) as st:
