@@ -10,8 +10,9 @@ cluster) feeds it to the production `KvIngest.on_live`, with whatever delay or l
 
 Shapes, as vLLM emits them: one `BlockStored` per request and step covering its newly full blocks
 (`parent_block_hash` = the block before them, None at block 0), with their token ids, the block
-size, `medium` "GPU" or "CPU", the LoRA adapter in `lora_name`, and the cache salt as the first
-block's `extra_keys` entry; one `BlockRemoved` per evicted block.
+size, `medium` "GPU" or "CPU", the LoRA adapter in `lora_name`, and per block `extra_keys` as vLLM
+0.18+ builds them: the adapter's name (every block of a LoRA request), then the cache salt (the first
+block of the request only); one `BlockRemoved` per evicted block.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ class EventSink:
         lora_name: str | None,
         cache_salt: str | None,
     ) -> None:
-        extra = None
-        if cache_salt and parent is None:
+        extra: list[Any] | None = None
+        if lora_name:
+            extra = [[lora_name] for _ in hashes]
+            if cache_salt and parent is None:
+                extra[0] = [lora_name, cache_salt]
+        elif cache_salt and parent is None:
             extra = [[cache_salt]] + [None] * (len(hashes) - 1)
         # kv_publisher.stored() without its defensive copies (the lists are the engine's fresh ones)
         self.events.append(

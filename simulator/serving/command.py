@@ -111,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> EngineServerConfig:
     endpoint, replay, topic, steps = None, None, "", 10_000
     if args.kv_events_config:
         doc = _kv_events_json(args.kv_events_config)
-        if doc.get("enable_kv_cache_events", True) is not False and doc.get("publisher", "zmq") == "zmq":
+        # vLLM publishes only with `enable_kv_cache_events: true` (its default is false)
+        if doc.get("enable_kv_cache_events", False) is True and doc.get("publisher", "zmq") == "zmq":
             endpoint = doc.get("endpoint") or "tcp://*:5557"
             replay = doc.get("replay_endpoint")
             topic = doc.get("topic") or ""

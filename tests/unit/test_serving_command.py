@@ -56,6 +56,8 @@ def test_vllm_kv_events_config_json_and_explicit_flags_winning() -> None:
     assert cfg.kv_events_endpoint == "tcp://10.0.0.1:5557"
     off = config("--kv-events-config", json.dumps({**doc, "enable_kv_cache_events": False}))
     assert off.kv_events_endpoint is None
+    unset = {k: v for k, v in doc.items() if k != "enable_kv_cache_events"}  # vLLM's default: off
+    assert config("--kv-events-config", json.dumps(unset)).kv_events_endpoint is None
 
 
 @pytest.mark.parametrize(

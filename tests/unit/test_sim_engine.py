@@ -283,6 +283,29 @@ def test_salted_requests_share_nothing_with_others_and_the_index_sees_the_salt()
         assert_index_agrees(e, ingest, [[*A, 1]], salt)
 
 
+def test_lora_blocks_carry_the_adapter_in_every_blocks_extra_keys_and_the_index_keys_them_so() -> None:
+    """As vLLM 0.18+: every block of a LoRA request has the adapter's name first in its extra keys, and
+    the request's first block the salt after it; the router indexes them under (adapter, salt)."""
+    run = make(num_gpu_blocks=16, block_size=4)
+    e = run.engine
+    e.submit(SimRequest("r0", [*A, 1], lora_name="ad", cache_salt="t1"))
+    e.submit(SimRequest("r1", [*B, 1], lora_name="ad"))
+    run.kernel.run()
+    firsts = [ev.extra_keys for ev in run.stored() if ev.parent_block_hash is None]
+    assert firsts == [(("ad", "t1"), ("ad",)), (("ad",), ("ad",))]
+    ingest = KvIngest(BlockIndex(block_size=4, max_entries=1000), FreshnessTracker(), lambda pod: "m")
+    for seq, payload, at in run.batches:
+        ingest.on_live(POD, 0, seq, payload, at)
+    found = {
+        (prompt_id, salt): ingest.index.lookup(block_keys(p, 4, root_key("ad", salt)), [POD])[POD].get(
+            "gpu", 0
+        )
+        for prompt_id, p in (("A", A), ("B", B))
+        for salt in (None, "t1")
+    }
+    assert found == {("A", None): 0, ("A", "t1"): 2, ("B", None): 2, ("B", "t1"): 0}
+
+
 # -- chunked prefill, decode, step times ------------------------------------------------------------
 
 
