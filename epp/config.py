@@ -228,6 +228,8 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         raise ConfigError(source, "index", "blockSize", f"must be in 1..256, got {idx.block_size}")
     if idx.max_entries < 1:
         raise ConfigError(source, "index", "maxEntries", "must be >= 1")
+    if idx.max_keyed_prompt_chars < 0:
+        raise ConfigError(source, "index", "maxKeyedPromptChars", "must be >= 0")
     for model, path in doc.tokenizers.items():
         if not model or not path:
             raise ConfigError(source, "tokenizers", model or "<empty>", "needs a model name and a directory")
@@ -242,7 +244,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         objectives,
         saturation,
         kv,
-        IndexConfig(idx.block_size, idx.max_entries),
+        IndexConfig(idx.block_size, idx.max_entries, idx.max_keyed_prompt_chars),
         dict(doc.tokenizers),
         cost_model,
         admission_config(source, doc.admission or AdmissionEntry()),

@@ -114,6 +114,7 @@ class KvEventsEntry(_Struct):
 class IndexEntry(_Struct):
     block_size: int = 16
     max_entries: int = 10_000_000
+    max_keyed_prompt_chars: int = 524_288
 
 
 class AdmissionEntry(_Struct):
@@ -180,6 +181,7 @@ class KvEventsConfig:
 class IndexConfig:
     block_size: int = 16
     max_entries: int = 10_000_000
+    max_keyed_prompt_chars: int = 524_288  # longer text/chat prompts are not tokenized (no cache credit)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ _PATH_KINDS = (
     ("/embeddings", ApiKind.EMBEDDINGS),
     ("/responses", ApiKind.RESPONSES),
 )
-_CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = 4
 _MAX_TOKEN_ID = 2**31 - 1  # engines' token ids are int32 (and so are the tokenizer's)
 _decoder = msgspec.json.Decoder()
 
@@ -53,7 +53,7 @@ def api_kind_of(path: str) -> ApiKind:
 
 
 def _text_tokens(text: str) -> int:
-    return (len(text) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
+    return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
 def _is_token(t: Any) -> bool:
@@ -94,7 +94,7 @@ def _check_messages(messages: Any, name: str = "messages") -> tuple[list[dict[st
                     chars += len(part["text"])
         elif content is not None:
             raise bad_request(f"'{name}[{i}].content' must be a string, a list of parts, or null")
-    return messages, (chars + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
+    return messages, (chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
 def parse_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
 from epp.kvindex.speculative import SpeculativeBlocks
+from epp.requests import CHARS_PER_TOKEN
 from epp.types import ChatOptions, InferenceRequest
 
 _DEFAULT_CHAT = ChatOptions()
@@ -37,6 +38,9 @@ class KvIndexService:
     # scorer plugin name -> its speculative entries (`speculativeTtl`), kept apart from the exact index;
     # listed here so that /debug/index and the metrics report their size
     speculative: dict[str, SpeculativeBlocks] = field(default_factory=dict)
+    # text and chat prompts longer than this (characters) are not tokenized: tokenizing runs on the
+    # event loop, ~1 s a MB; they get no cache credit and count as unkeyed ("too_long")
+    max_keyed_prompt_chars: int = 524_288
 
     def prompt_tokens(self, request: InferenceRequest) -> list[int] | np.ndarray | None:
         """The prompt's token ids as the engine sees them, or None when they cannot be known."""
@@ -48,6 +52,10 @@ class KvIndexService:
         tok = self.tokenizers.get(request.model)
         if tok is None:
             self._unkeyed(request.model, "no_tokenizer")
+            return None
+        chars = len(prompt) if isinstance(prompt, str) else request.prompt_tokens_estimate * CHARS_PER_TOKEN
+        if chars > self.max_keyed_prompt_chars:
+            self._unkeyed(request.model, "too_long")
             return None
         try:
             if request.messages is not None:

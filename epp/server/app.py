@@ -101,7 +101,11 @@ class EppServer:
         self.kv_index = BlockIndex(block_size=config.index.block_size, max_entries=config.index.max_entries)
         self.freshness = FreshnessTracker()
         self.kv = KvIndexService(
-            self.kv_index, self.freshness, TokenizerRegistry(config.tokenizers), config.index.block_size
+            self.kv_index,
+            self.freshness,
+            TokenizerRegistry(config.tokenizers),
+            config.index.block_size,
+            max_keyed_prompt_chars=config.index.max_keyed_prompt_chars,
         )
         self.ingest = KvIngest(
             self.kv_index, self.freshness, self._model_of, replay_available=kv.replay_port is not None

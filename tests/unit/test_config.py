@@ -199,6 +199,11 @@ def test_reference_style_config_is_accepted() -> None:
             "maxEntries",
         ),
         (
+            HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nindex: {maxKeyedPromptChars: -1}\n",
+            "index",
+            "maxKeyedPromptChars",
+        ),
+        (
             HEAD + "plugins:\n- type: precise-prefix-cache-scorer\n  parameters: {tierWeights: {cpu: 2}}\n"
             "schedulingProfiles: [{name: d}]\n",
             "precise-prefix-cache-scorer",
@@ -271,3 +276,13 @@ def test_a_bare_off_kv_events_mode_is_off() -> None:
     body = "plugins: []\nschedulingProfiles: [{name: d}]\nkvEvents: {mode: off, port: 5600}\n"
     cfg = parse_config(HEAD + body)
     assert cfg.kv_events.mode == "off" and cfg.kv_events.port == 5600
+
+
+def test_the_keyed_prompt_limit_reaches_the_index_config() -> None:
+    cfg = parse_config(
+        HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nindex: {maxKeyedPromptChars: 10}\n", "x"
+    )
+    assert cfg.index.max_keyed_prompt_chars == 10
+    assert parse_config(
+        HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\n", "x"
+    ).index.max_keyed_prompt_chars == (524_288)

@@ -540,3 +540,31 @@ def test_the_index_service_renders_chat_requests_with_their_options(tiny_dir: Pa
     assert got is not None and list(got) == expected
     plain = service.prompt_tokens(InferenceRequest("r", ApiKind.CHAT_COMPLETIONS, "m", messages=messages))
     assert plain is not None and list(plain) == list(tok.encode_chat(messages)) != expected
+
+
+def test_prompts_over_the_keying_limit_are_not_tokenized(tiny_dir: Path) -> None:
+    """Tokenizing runs on the event loop (about a second per MB): a text or chat prompt longer than
+    `max_keyed_prompt_chars` gets no keys (no cache credit) and counts as unkeyed, `too_long`; token ids
+    are keyed whatever their length."""
+    service = KvIndexService(
+        BlockIndex(block_size=16, max_entries=1000),
+        FreshnessTracker(),
+        TokenizerRegistry({"m": tiny_dir}),
+        block_size=16,
+        max_keyed_prompt_chars=1000,
+    )
+    short = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt="word " * 100)
+    assert service.prompt_tokens(short) is not None
+    long = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt="word " * 201)
+    assert service.prompt_tokens(long) is None
+    chat = InferenceRequest(
+        "r",
+        ApiKind.CHAT_COMPLETIONS,
+        "m",
+        messages=[{"role": "user", "content": "x"}],
+        prompt_tokens_estimate=251,
+    )
+    assert service.prompt_tokens(chat) is None
+    ids = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt=list(range(5000)))
+    assert service.prompt_tokens(ids) is not None
+    assert service.unkeyed[("m", "too_long")] == 2
