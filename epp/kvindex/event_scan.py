@@ -493,7 +493,7 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
     tokens = data[size + cap :]
     out: list[Run] = []
     skipped = 0
-    partial: list[int] = []
+    partial: dict[int, None] = {}  # (distinct, in order of appearance: a dict, not a list's linear scan)
     ev_at = _HEAD + nruns * _RUN
     try:
         for r in range(_HEAD, ev_at, _RUN):
@@ -507,8 +507,8 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
                 continue
             if s_n >= 0 and payload[s_at : s_at + s_n].decode() not in FULL_ATTENTION_KINDS:
                 skipped += e1 - e0
-                if grp >= 0 and grp not in partial:
-                    partial.append(grp)
+                if grp >= 0:
+                    partial[grp] = None
                 continue
             cols = w[ev_at + e0 * _EVENT : ev_at + e1 * _EVENT]
             has = cols[0::_EVENT]

@@ -263,15 +263,15 @@ def _convert(ts: float, wire: Sequence[_WireEvent], dp_rank: int | None, unsigne
     events: list[Any] = []
     append = events.append
     skipped = 0
-    partial: list[int] = []
+    partial: dict[int, None] = {}  # distinct, in order of appearance
     tiers = _TIER_EXACT
     for ev in wire:
         if isinstance(ev, _StoredFields):
             kind = ev.kv_cache_spec_kind
             if kind is not None and kind not in FULL_ATTENTION_KINDS:
                 skipped += 1
-                if ev.group_idx is not None and ev.group_idx not in partial:
-                    partial.append(ev.group_idx)
+                if ev.group_idx is not None:
+                    partial[ev.group_idx] = None
                 continue
             hashes = ev.block_hashes
             parent = ev.parent_block_hash

@@ -103,6 +103,10 @@ class PodCounters:
     skipped_groups: int = 0
 
 
+MAX_PARTIAL_GROUPS = 256
+"""KV groups that are not full attention remembered per pod (a hybrid model has a handful; past this,
+an engine sending thousands of group ids is not followed further)."""
+
 SCAN_FROM = 512
 """Payloads of at least this many bytes go to the compiled scan first; below, msgspec is faster (the
 scan's fixed cost, ~5 us, against ~3.5 us for msgspec on a one-block BlockStored)."""
@@ -443,7 +447,8 @@ class KvIngest:
         if batch.partial_groups:
             if partial is None:
                 partial = self._partial_groups[pod] = set()
-            partial.update(batch.partial_groups)
+            if len(partial) < MAX_PARTIAL_GROUPS:  # a model has a few KV groups: the set stays bounded
+                partial.update(batch.partial_groups[: MAX_PARTIAL_GROUPS - len(partial)])
         index = self.index
         roots = self._roots
         pod_model: str | None = None  # model_of(pod), asked at most once per message

@@ -665,3 +665,16 @@ def test_a_malformed_message_in_a_replay_makes_it_incomplete() -> None:
     assert ing.counters[P].drops["msgpack"] == 2  # the live copy and the replayed one
     assert ing.last_seq[P] == 4
     assert verdict(ing, clock.now()) == (Freshness.STALE, "lost_events")
+
+
+def test_skipped_kv_groups_are_distinct_in_order_and_bounded_per_pod() -> None:
+    """An engine sending thousands of distinct non-full-attention group ids: the batch lists each once,
+    in order of appearance, and the pod remembers at most MAX_PARTIAL_GROUPS of them."""
+    events = [_group_store([i + 1], g, "sliding_window") for i, g in enumerate([3, 1, 3, *range(10, 1010)])]
+    payload = encode_batch(events)
+    for batch in (ingest_module.decode(payload), ingest_module.runs_of(decode_batch(payload))):
+        assert batch.partial_groups[:3] == (3, 1, 10) and len(batch.partial_groups) == 1002
+    ing = make()
+    ing.on_live(P, 0, 0, payload, 1.0)
+    assert len(ing._partial_groups[P]) == ingest_module.MAX_PARTIAL_GROUPS
+    assert ing.counters[P].skipped_groups == len(events) and gpu(ing) == 0
