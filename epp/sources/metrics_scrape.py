@@ -41,6 +41,12 @@ _HEADERS = {
 }
 
 
+_PARSE_INLINE_BYTES = 512 * 1024
+"""Pages larger than this are parsed in a worker thread: parsing takes ~50 ns a byte, and a page of
+megabytes would hold up every request for that long (the thread shares the interpreter, but the loop
+keeps getting its turns)."""
+
+
 class ScrapeObserver(Protocol):
     """Told about every scrape, e.g. to export scrape counters and latency."""
 
@@ -208,7 +214,11 @@ class MetricsScraper:
         started = loop.time()
         try:
             body = await self._fetch(session, url)
-            snapshot = parse_metrics(body.decode("utf-8", "replace"), self._clock.now())
+            text = body.decode("utf-8", "replace")
+            if len(body) > _PARSE_INLINE_BYTES:  # (a vLLM page is ~10-100 KB) big ones: off the event loop
+                snapshot = await asyncio.to_thread(parse_metrics, text, self._clock.now())
+            else:
+                snapshot = parse_metrics(text, self._clock.now())
         except _ScrapeError as exc:
             kind, detail = exc.kind, exc.detail
         except TimeoutError:

@@ -63,6 +63,11 @@ _ESCAPE_RE = re.compile(r"\\(.)")
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
 
 
+MAX_MODELS = 64
+"""Model names kept from one page (a server serves one model and its adapters; a page naming thousands
+is not followed further)."""
+
+
 def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
     """Read the engine metrics a router needs from a Prometheus text page (vLLM or SGLang)."""
     found = False
@@ -95,7 +100,7 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
             ) from None
         found = True
         model = labels.get("model_name")
-        if model:
+        if model and len(models) < MAX_MODELS:
             models.add(model)
         if kind == _GEOMETRY:
             block_label, blocks_label = _GEOMETRY_LABELS[m.group()]

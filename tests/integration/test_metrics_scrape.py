@@ -305,3 +305,31 @@ async def test_stop_leaves_no_tasks_and_closes_the_session(
 )
 def test_endpoint_url(endpoint: str, url: str) -> None:
     assert endpoint_url("http", endpoint, "/metrics") == url
+
+
+async def test_a_page_of_megabytes_is_parsed_off_the_event_loop_and_its_model_names_bounded(
+    engine: EngineFactory, scraper: ScraperFactory, datastore: Datastore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A valid page of ~2 MB naming 40,000 models (all lines the EPP reads): parsed in a worker thread,
+    not on the loop that serves requests, and at most MAX_MODELS names kept."""
+    import threading
+
+    from epp.sources import metrics_scrape, metrics_text
+
+    threads: set[int] = set()
+    parse = metrics_scrape.parse_metrics
+
+    def recording(text: str, now: float) -> object:
+        threads.add(threading.get_ident())
+        return parse(text, now)
+
+    monkeypatch.setattr(metrics_scrape, "parse_metrics", recording)
+    eng = await engine()
+    lines = "".join(f'vllm:num_requests_waiting{{model_name="m{i}"}} 1\n' for i in range(40_000))
+    eng.page = lambda: lines  # type: ignore[method-assign]
+    datastore.add_endpoint(eng.id, "m")
+    await scraper(interval=0.5, timeout=5.0)
+    r = rec(datastore, eng.id)
+    await eventually(lambda: r.metrics is not None, "the big page parsed")
+    assert r.metrics is not None and len(r.metrics.models) == metrics_text.MAX_MODELS
+    assert threads and threading.get_ident() not in threads
