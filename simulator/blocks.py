@@ -168,6 +168,14 @@ class BlockPool:
             self._unmap(h, b)
         return values
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache`: every block forgets its hash (the free queue keeps its order);
+        refused (False, nothing changed) while a request holds blocks."""
+        if self.num_used:
+            return False
+        self._uncache(np.flatnonzero(self.hashed))
+        return True
+
     def copies(self, h: int) -> list[int]:
         """Physical blocks holding hash `h`, in caching order."""
         copies = self.dups.get(h)

@@ -513,6 +513,14 @@ class Engine:
         with), both in whole blocks and without vLLM's `len - 1` cap: the engine's true state."""
         return self.kv.probe(as_token_array(token_ids), cache_salt, lora_name)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache` (its `POST /reset_prefix_cache`): every cached block is forgotten
+        and `AllBlocksCleared` published; refused (False, nothing changed) while requests are queued or
+        running, as vLLM refuses while blocks are in use."""
+        if self._busy or self.waiting or self.running:
+            return False
+        return self.kv.reset_prefix_cache(self.kernel.now())
+
     @property
     def idle(self) -> bool:
         return not self._busy

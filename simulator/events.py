@@ -12,7 +12,8 @@ Shapes, as vLLM emits them: one `BlockStored` per request and step covering its 
 (`parent_block_hash` = the block before them, None at block 0), with their token ids, the block
 size, `medium` "GPU" or "CPU", the LoRA adapter in `lora_name`, and per block `extra_keys` as vLLM
 0.18+ builds them: the adapter's name (every block of a LoRA request), then the cache salt (the first
-block of the request only); one `BlockRemoved` per evicted block.
+block of the request only); one `BlockRemoved` per evicted block; `AllBlocksCleared` when the
+prefix cache is reset.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
-from epp.testing.kv_wire import BlockRemoved, BlockStored, encode_batch
+from epp.testing.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 
 OnEvents = Callable[[int, bytes, float], object]
 """(sequence number, msgpack payload, simulated time of publication)."""
@@ -69,6 +70,10 @@ class EventSink:
                 extra,
             )
         )
+
+    def cleared(self) -> None:
+        """`AllBlocksCleared`: the engine reset its prefix cache."""
+        self.events.append(AllBlocksCleared())
 
     def removed(self, hashes: list[int], medium: str) -> None:
         """One `BlockRemoved` per hash, in order."""

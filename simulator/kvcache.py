@@ -244,6 +244,18 @@ class KvCacheManager:
                 r.values[a:b].tolist(), parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt
             )
 
+    def reset_prefix_cache(self, at: float) -> bool:
+        """Forget every cached block, on the GPU and the CPU tier, and publish `AllBlocksCleared` (at
+        simulated time `at`); refused (False) while a request holds blocks."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.cpu is not None:
+            self.cpu.lru.clear()
+        if self.sink is not None:
+            self.sink.cleared()
+            self.sink.flush(at)
+        return True
+
     def free(self, r: ReqState) -> None:
         """Release all of r's blocks, last first."""
         self.pool.free(r.table[: r.nblocks][::-1])

@@ -129,6 +129,11 @@ class EngineRunner:
         self.driver.wake()
         return pending
 
+    def reset_prefix_cache(self) -> bool:
+        """`Engine.reset_prefix_cache` at the wall clock's now: False while requests are queued or running."""
+        self.driver.advance()
+        return self.engine.reset_prefix_cache()
+
     def abort(self, pending: Pending) -> bool:
         """Its client went away: the engine drops it (`Engine.abort`) and its futures are cancelled. False
         when it had finished already."""

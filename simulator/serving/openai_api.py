@@ -68,6 +68,7 @@ class OpenAiApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
 
     # -- inference ---------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -175,6 +176,17 @@ class OpenAiApi:
             "max_model_len": self.max_model_len,
         }
         return web.json_response({"object": "list", "data": [card]})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode endpoint: 200 once every cached block is forgotten (`AllBlocksCleared` is
+        published); 409 while requests are queued or running (vLLM refuses a reset while blocks are in
+        use)."""
+        if self.runner.reset_prefix_cache():
+            return web.Response(status=200)
+        return web.json_response(
+            {"error": {"message": "requests are in flight: the prefix cache can be reset once idle"}},
+            status=409,
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.runner.driver.running else 503)

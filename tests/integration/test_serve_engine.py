@@ -133,6 +133,25 @@ async def test_repeated_prompt_reports_the_engines_cached_tokens() -> None:
         assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == cached(len(prompt))
 
 
+async def test_reset_prefix_cache_over_http() -> None:
+    """`POST /reset_prefix_cache` (vLLM's dev-mode endpoint): 409 while a request runs; once idle, 200
+    and afterwards nothing is cached."""
+    prompt = [(37 * i) % 991 for i in range(4 * BS + 3)]
+    async with serving(time_scale=0.5) as (srv, session):
+        await post(session, srv, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        body = {"prompt": list(range(50)), "max_tokens": 200, "stream": True}
+        async with session.post(f"{srv.url}/v1/completions", json=body) as running:
+            await running.content.readline()  # it is running
+            async with session.post(f"{srv.url}/reset_prefix_cache") as r:
+                assert r.status == 409 and "in flight" in await r.text()
+            running.close()
+        await eventually(lambda: (srv.runner.advance(), srv.engine.idle)[1], "idle again (the abort taken)")
+        async with session.post(f"{srv.url}/reset_prefix_cache") as r:
+            assert r.status == 200
+        doc = (await post(session, srv, "/v1/completions", {"prompt": prompt, "max_tokens": 2}))[1]
+        assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 @pytest.mark.parametrize("chat", [False, True])
 async def test_streaming_follows_the_engine_and_matches_the_full_answer(
     tok_dir: pathlib.Path, chat: bool

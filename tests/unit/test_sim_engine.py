@@ -306,6 +306,31 @@ def test_lora_blocks_carry_the_adapter_in_every_blocks_extra_keys_and_the_index_
     assert found == {("A", None): 0, ("A", "t1"): 2, ("B", None): 2, ("B", "t1"): 0}
 
 
+def test_reset_prefix_cache_forgets_every_block_and_publishes_all_blocks_cleared() -> None:
+    """vLLM's reset: refused while a request is queued or running; once idle, every cached block (GPU
+    and CPU tier) is forgotten, `AllBlocksCleared` published at once, and the router's index follows."""
+    run = make(num_gpu_blocks=6, block_size=4, cpu_blocks=8)
+    e = run.engine
+    sequential(run, [A, B, C])  # 5 usable GPU blocks: some of them went to the CPU tier
+    assert len(e.pool.cached) and len(e.cpu)  # type: ignore[arg-type]
+    e.submit(SimRequest("busy", [*A, 1], max_tokens=3))
+    assert e.reset_prefix_cache() is False and len(e.pool.cached)
+    run.kernel.run()
+    ingest = KvIngest(BlockIndex(block_size=4, max_entries=1000), FreshnessTracker(), lambda pod: "m")
+    for seq, payload, at in run.batches:
+        ingest.on_live(POD, 0, seq, payload, at)
+    assert ingest.index.pod_counts(POD).get("gpu", 0) > 0
+    n = len(run.batches)
+    assert e.reset_prefix_cache() is True
+    assert e.pool.cached == {} and len(e.cpu) == 0 and e.probe(A) == (0, 0)  # type: ignore[arg-type]
+    ((seq, payload, at),) = run.batches[n:]
+    assert [type(ev).__name__ for ev in decode_batch(payload).events] == ["AllBlocksCleared"]
+    ingest.on_live(POD, 0, seq, payload, at)
+    assert ingest.index.pod_counts(POD) == {}
+    again = sequential(run, [A])
+    assert again[0].cached_tokens == 0  # nothing left to hit
+
+
 # -- chunked prefill, decode, step times ------------------------------------------------------------
 
 
