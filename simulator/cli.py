@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=_positive(int), required=True, help="tokens per block")
     e.add_argument("--out", required=True, help="results JSONL: i, prompt_tokens, cached_tokens")
     e.add_argument("--events", help="also write the KV events (JSONL, vLLM's shapes, tagged with i)")
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive(int),
+        default=8192,
+        help="token budget per step, as vLLM's flag (longer prompts are prefilled in chunks)",
+    )
     serve_engine.add_parser(sub)
     return p
 
@@ -163,7 +169,13 @@ def run_engine_replay(args: argparse.Namespace) -> int:
     except OSError as err:
         raise ValueError(f"{path}: cannot read: {err.strerror}") from None
     try:  # everything is validated and run before any output is written
-        results, events = engine_replay(data, args.num_blocks, args.block_size, events=bool(args.events))
+        results, events = engine_replay(
+            data,
+            args.num_blocks,
+            args.block_size,
+            events=bool(args.events),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     except EngineReplayError as err:
         raise ValueError(err.located(str(path))) from None
     _write(pathlib.Path(args.out), results, "--out")

@@ -305,9 +305,16 @@ def event_lines(events: Sequence[dict[str, Any]]) -> str:
 
 
 def engine_replay(
-    data: bytes | str, num_blocks: int, block_size: int, *, events: bool = False
+    data: bytes | str,
+    num_blocks: int,
+    block_size: int,
+    *,
+    events: bool = False,
+    max_num_batched_tokens: int = 8192,
 ) -> tuple[str, str | None]:
     """JSONL requests in; (results JSONL, events JSONL or None) out (EngineReplayError for a bad line:
-    no output)."""
-    out = run(iter_requests(data, num_blocks, block_size, reuse=True), num_blocks, block_size, events=events)
+    no output). `max_num_batched_tokens`: the engine's token budget per step (vLLM's flag; a prompt
+    longer than it is prefilled in chunks, one `BlockStored` per chunk)."""
+    requests = iter_requests(data, num_blocks, block_size, reuse=True)
+    out = run(requests, num_blocks, block_size, events=events, max_num_batched_tokens=max_num_batched_tokens)
     return result_lines(out.results), event_lines(out.events) if events else None

@@ -367,3 +367,24 @@ def test_reused_scan_buffers_give_every_request_its_own_prompt(monkeypatch: pyte
     monkeypatch.setattr(er, "_SCAN_MAX", 800)
     assert run(er.iter_requests(text, 64, 4, reuse=True), 64, 4).results == expected
     assert engine_replay(text, 64, 4)[0] == result_lines(expected)
+
+
+def test_a_smaller_step_budget_chunks_a_long_prompts_prefill_as_vllm_does(tmp_path: pathlib.Path) -> None:
+    """With `--max-num-batched-tokens 16` a 40-token prompt is prefilled in 3 steps, one BlockStored each
+    (4 + 4 + 2 blocks of 4), against one event of 10 blocks with the default budget; the results are the
+    same, and a budget of 0 is refused."""
+    rows = [req(list(range(40)))]
+    results, events = replay_cmd(tmp_path, rows, 64, 4)
+    path = write_requests(tmp_path, rows)
+    out, ev = tmp_path / "small.jsonl", tmp_path / "small-events.jsonl"
+    argv = ["engine-replay", "--requests", str(path), "--num-blocks", "64", "--block-size", "4"]
+    assert main([*argv, "--out", str(out), "--events", str(ev), "--max-num-batched-tokens", "16"]) == 0
+    small = [json.loads(x) for x in ev.read_text().splitlines()]
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    chunked = [e for e in small if e["type"] == "BlockStored"]
+    assert [len(e["block_hashes"]) for e in stored] == [10]
+    assert [len(e["block_hashes"]) for e in chunked] == [4, 4, 2]
+    assert [json.loads(x) for x in out.read_text().splitlines()] == results
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--out", str(out), "--max-num-batched-tokens", "0"])
+    assert exit_.value.code == 2
