@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         "answers 413 first: see docs/operations.md",
     )
     s.add_argument(
+        "--max-buffered-body-size",
+        type=_bytes,
+        default=1024**3,
+        help="request bodies all streams may hold at once; a chunk past it ends its request with 503 "
+        "(default 1GiB: size it below the memory limit)",
+    )
+    s.add_argument(
         "--shutdown-grace",
         type=_duration,
         default=1.0,
@@ -287,6 +294,7 @@ async def _serve(
         metrics_timeout=args.metrics_timeout,
         unhealthy_after_failures=args.unhealthy_after,
         max_body_bytes=args.max_body_size,
+        max_buffered_body_bytes=args.max_buffered_body_size,
         pool_name=args.pool_name or "default",
         seed=args.seed,
         debug_endpoints=args.enable_debug_endpoints,

@@ -32,6 +32,7 @@ from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
 from epp.scheduling.registry import PluginRegistry
 from epp.server.admin import AdminServer
+from epp.server.body_budget import BodyBudget
 from epp.server.decisions import DecisionLog
 from epp.server.director import Director
 from epp.server.ext_proc import SERVICE_NAME, ExtProcService
@@ -67,6 +68,7 @@ class ServerSettings:
     metrics_timeout: float = 1.0
     unhealthy_after_failures: int = 3
     max_body_bytes: int = 32 * 1024 * 1024
+    max_buffered_body_bytes: int = 1024 * 1024 * 1024  # all streams' request bodies at once
     pool_name: str = "default"
     seed: int | None = None
     debug_endpoints: bool = True
@@ -262,7 +264,7 @@ class EppServer:
         creds = self._credentials()
         self._grpc = grpc.aio.server(options=_GRPC_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcService(self.director, s.max_body_bytes), self._grpc
+            ExtProcService(self.director, s.max_body_bytes, BodyBudget(s.max_buffered_body_bytes)), self._grpc
         )
         addr = f"{s.host}:{s.grpc_port}"
         self.grpc_port = _add_port(self._grpc, addr, creds, "ext_proc gRPC", "--grpc-port")

@@ -25,6 +25,7 @@ from google.protobuf import struct_pb2
 
 from epp.requests import RequestError
 from epp.scheduling.errors import SchedulingError, SloExceededError
+from epp.server.body_budget import BodyBudget
 from epp.server.decisions import DECISION_HEADER, header_value
 from epp.server.director import Director, RoutedRequest
 from epp.usage import UsageReader
@@ -140,9 +141,11 @@ def _echo(chunk: bytes, eos: bool, response: bool) -> pb.ProcessingResponse:
 class RequestStream:
     """State machine for one ext_proc stream. `on_message` returns the responses to send."""
 
-    def __init__(self, director: Director, max_body_bytes: int) -> None:
+    def __init__(self, director: Director, max_body_bytes: int, budget: BodyBudget | None = None) -> None:
         self.director = director
         self.max_body_bytes = max_body_bytes
+        self.budget = budget  # shared by every stream: the bytes all bodies may hold at once
+        self.held = 0  # bytes of `body` reserved in `budget`
         self.headers: dict[str, str] = {}
         self.seen_headers = False
         self.subset: list[str] | None = None
@@ -199,6 +202,16 @@ class RequestStream:
             )
         if len(self.body) + len(body.body) > self.max_body_bytes:
             return self._reject(413, "PayloadTooLarge", f"request body exceeds {self.max_body_bytes} bytes")
+        if self.budget is not None:
+            if not self.budget.take(len(body.body)):
+                held = self.budget.limit // (1024 * 1024)
+                return self._reject(
+                    503,
+                    "ServiceUnavailable",
+                    f"the EPP holds {held} MiB of request bodies (--max-buffered-body-size): retry shortly",
+                    1,
+                )
+            self.held += len(body.body)
         self.body += body.body
         if self.request_mode == _DUPLEX and not body.end_of_stream:
             return ()
@@ -263,7 +276,7 @@ class RequestStream:
         ]
         assert body is not None
         data = bytes(body) if new_body is None else new_body
-        self.body = bytearray()
+        self._drop_body()
         n = len(data)
         if n == 0:
             out.append(_echo(b"", body_eos, False))
@@ -272,11 +285,17 @@ class RequestStream:
             out.append(_echo(data[start:end], body_eos and end >= n, False))
         return out
 
+    def _drop_body(self) -> None:
+        self.body = bytearray()
+        if self.held and self.budget is not None:
+            self.budget.give(self.held)
+        self.held = 0
+
     def _reject(
         self, status: int, code: str, message: str, retry_after: int | None = None
     ) -> Iterable[pb.ProcessingResponse]:
         self.done = True
-        self.body = bytearray()
+        self._drop_body()
         self.director.reject(status, code)
         return (error_response(status, code, message, retry_after),)
 
@@ -358,6 +377,7 @@ class RequestStream:
 
     def close(self) -> None:
         """The stream ended: release whatever is still held (client gone, Envoy reset)."""
+        self._drop_body()
         if self.routed is not None:
             # With response_body_mode NONE the stream's end is the response's end.
             seen_response = self.routed.status is not None and self.response_mode == 0
@@ -365,16 +385,17 @@ class RequestStream:
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, director: Director, max_body_bytes: int) -> None:
+    def __init__(self, director: Director, max_body_bytes: int, budget: BodyBudget | None = None) -> None:
         self.director = director
         self.max_body_bytes = max_body_bytes
+        self.budget = budget
 
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = RequestStream(self.director, self.max_body_bytes)
+        stream = RequestStream(self.director, self.max_body_bytes, self.budget)
         try:
             async for msg in request_iterator:
                 for resp in stream.on_message(msg):

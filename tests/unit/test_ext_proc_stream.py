@@ -15,6 +15,7 @@ from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.scheduling.builtin import default_registry
+from epp.server.body_budget import BodyBudget
 from epp.server.director import Director
 from epp.server.ext_proc import MAX_CHUNK, RequestStream, subset_hint
 from epp.server.metrics import EppMetrics
@@ -404,3 +405,29 @@ def test_the_stream_is_done_once_the_response_has_ended_and_not_before(last: str
         s.on_message(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
         assert s.done
     assert s.director.datastore.total_in_flight() == 0
+
+
+def test_the_bodies_all_streams_hold_share_one_budget() -> None:
+    """Two streams buffering bodies against a budget of 1.5 bodies: the second's chunk that would pass it
+    ends that request with 503 (retry shortly); once the first has routed, its bytes are free again."""
+    d = director()
+    budget = BodyBudget(len(BODY) + len(BODY) // 2)
+    a, b = RequestStream(d, 1 << 20, budget), RequestStream(d, 1 << 20, budget)
+    for s in (a, b):
+        assert list(s.on_message(headers())) == []
+    assert list(a.on_message(body(BODY[:-1], False))) == []
+    assert budget.held == len(BODY) - 1
+    (resp,) = list(b.on_message(body(BODY, False)))
+    assert resp.immediate_response.status.code == 503 and b.done
+    assert b"--max-buffered-body-size" in resp.immediate_response.body
+    assert budget.held == len(BODY) - 1  # b took nothing
+    out = list(a.on_message(body(BODY[-1:], True)))
+    assert destination(out[0]) == "10.0.0.0:80" and budget.held == 0  # routed: its body is passed on
+    c = RequestStream(d, 1 << 20, budget)
+    list(c.on_message(headers()))
+    list(c.on_message(body(BODY[:10], False)))
+    c.close()  # a client gone mid-body gives its bytes back too
+    assert budget.held == 0
+    a.close()
+    with pytest.raises(ValueError, match="budget"):
+        BodyBudget(0)
