@@ -431,6 +431,27 @@ def test_a_full_cache_queues_then_preempts_and_everything_finishes() -> None:
     assert e.metrics().prefix_cache_queries == 4 * 6  # preempted re-admissions are not counted again
 
 
+def test_the_request_admitted_last_is_the_one_preempted_and_it_resumes_from_its_cached_blocks() -> None:
+    """As vLLM (recompute): when a decoding request needs a block and none is free, the running request
+    admitted most recently is preempted, its blocks freed (hashed ones kept cached); it is scheduled
+    again once there is room, hits the blocks of its own that are still cached, and its record keeps
+    the hit of its first scheduling."""
+    run = make(num_gpu_blocks=7, block_size=4, max_num_seqs=4)  # 6 usable blocks
+    e = run.engine
+    a = e.submit(SimRequest("a", toks(0, 8), max_tokens=9))  # each grows to 16 tokens: 4 blocks
+    b = e.submit(SimRequest("b", toks(500, 8), max_tokens=9))
+    run.kernel.run()
+    assert (a.preemptions, b.preemptions) == (0, 1)  # b, admitted after a, made room
+    assert a.output_tokens == b.output_tokens == 9 and a.finished_s is not None and b.finished_s is not None
+    assert b.finished_s > a.finished_s and b.cached_tokens == 0  # the first scheduling's hit, kept
+    assert e.metrics().prefix_cache_queries == 16  # each counted once
+    # b's prompt blocks were stored once: at its re-admission they were still cached, and it hit them
+    h = hashes_of(toks(500, 8), 4)
+    assert sum(ev.block_hashes.count(x) for ev in run.stored() for x in h) == 2
+    e.pool.check()
+    assert e.pool.num_free == e.pool.usable
+
+
 # -- the CPU tier -------------------------------------------------------------------------------
 
 
