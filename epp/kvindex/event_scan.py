@@ -454,8 +454,9 @@ StoredRun = tuple[
 ]
 """(STORED, tier, lora_name, tenant salt, engine hashes, parent hash per event, hashes per event, token ids,
 tokens per event, engine block size per event): consecutive BlockStored with the same tier, model and salt."""
-RemovedRun = tuple[int, str, list[int], "int | None"]
-"""(REMOVED, tier, engine hashes, KV-cache group or None): consecutive BlockRemoved of one tier and group."""
+RemovedRun = tuple[int, str, list[int], "int | None", int]
+"""(REMOVED, tier, engine hashes, KV-cache group or None, events): consecutive BlockRemoved of one tier and
+group."""
 Cleared = tuple[int]
 Run = StoredRun | RemovedRun | Cleared
 
@@ -503,7 +504,7 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
                 continue
             tier = GPU if m_n < 0 else normalize_tier(payload[m_at : m_at + m_n].decode())
             if kind == REMOVED:
-                out.append((REMOVED, tier, hl[h0:h1], None if grp < 0 else grp))
+                out.append((REMOVED, tier, hl[h0:h1], None if grp < 0 else grp, e1 - e0))
                 continue
             if s_n >= 0 and payload[s_at : s_at + s_n].decode() not in FULL_ATTENTION_KINDS:
                 skipped += e1 - e0

@@ -133,7 +133,7 @@ def runs_of(batch: EventBatch) -> ScannedBatch:
                  ev.token_ids, [len(ev.token_ids)], [ev.block_size])
             )  # fmt: skip
         elif type(ev) is BlockRemoved:
-            runs.append((REMOVED, ev.tier, list(ev.block_hashes), ev.group))
+            runs.append((REMOVED, ev.tier, list(ev.block_hashes), ev.group, 1))
         else:
             runs.append((CLEARED,))
     return ScannedBatch(
@@ -224,8 +224,7 @@ class KvIngest:
             for pub in pubs:
                 pub.seq.advance(seq)
             if pubs or rank < 0:
-                self.index.clear_pod(pod)
-                self.freshness.lost_events(pod, now)
+                self._lost(pod, now)
             return self.drop(pod, err.reason, now, str(err))
         if rank < 0:
             rank = batch.data_parallel_rank or 0
@@ -420,9 +419,8 @@ class KvIngest:
                 batch = decode(payload)
             except DecodeError as err:  # a message held undecoded: its events are lost
                 pub.seq.advance(seq)
-                self.drop(pod, err.reason, now)
-                self.index.clear_pod(pod)
-                self.freshness.lost_events(pod, now)
+                self.drop(pod, err.reason, now, str(err))
+                self._lost(pod, now)
                 ok = False
                 continue
             self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
@@ -454,6 +452,7 @@ class KvIngest:
         pod_model: str | None = None  # model_of(pod), asked at most once per message
         asked = False
         orphans = 0
+        skipped = 0  # BlockRemoved events in skipped KV groups: not applied
         for run in batch.runs:
             if run[0] == STORED:
                 _, tier, lora_name, salt, hashes, parents, per_event, tokens, tokens_per_event, sizes = run  # type: ignore[misc]
@@ -481,7 +480,7 @@ class KvIngest:
                 )
             elif run[0] == REMOVED:
                 if partial and run[3] in partial:  # type: ignore[misc,operator]
-                    c.skipped_groups += len(run[2])  # type: ignore[arg-type,misc]
+                    skipped += run[4]  # type: ignore[misc,operator]
                     continue  # a sliding-window (...) group's copy: the full-attention block stays
                 index.discard(pod, run[2], run[1])  # type: ignore[arg-type,misc]
             else:
@@ -489,11 +488,17 @@ class KvIngest:
         if orphans:
             c.orphans += orphans
             self.freshness.problem(pod, now, "orphans")
-        c.events += batch.events
+        c.skipped_groups += skipped
+        c.events += batch.events - skipped
         pub.seq.advance(seq)
         self.last_seq[pod] = seq
         self.freshness.message(pod, now, lag)
         return applied(batch.events)
+
+    def _lost(self, pod: str, now: float) -> None:
+        """A message of the pod did not decode: its events, which may have removed blocks, are lost."""
+        self.index.clear_pod(pod)
+        self.freshness.lost_events(pod, now)
 
     def _receivers(self, pod: str, rank: int, seq: int) -> list[_Publisher]:
         """The publisher a message of `pod` with `seq` came from: `rank`'s, or with the rank unknown (-1),

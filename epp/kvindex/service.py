@@ -53,7 +53,12 @@ class KvIndexService:
         if tok is None:
             self._unkeyed(request.model, "no_tokenizer")
             return None
-        chars = len(prompt) if isinstance(prompt, str) else request.prompt_tokens_estimate * CHARS_PER_TOKEN
+        # a chat renders its messages and its tools, documents...: the body's size bounds all of it
+        chars = (
+            len(prompt)
+            if isinstance(prompt, str)
+            else max(request.body_bytes, request.prompt_tokens_estimate * CHARS_PER_TOKEN)
+        )
         if chars > self.max_keyed_prompt_chars:
             self._unkeyed(request.model, "too_long")
             return None

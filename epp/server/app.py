@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp.clock import MonotonicClock
-from epp.config import EppConfig, StaticEndpoint, build_scheduler
+from epp.config import ConfigError, EppConfig, StaticEndpoint, build_scheduler
 from epp.costmodel import estimate
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
@@ -246,6 +246,14 @@ class EppServer:
     async def _start(self) -> None:
         s = self.settings
         check_scrape_settings(self.config.source, self.scheduler, s.refresh_metrics_interval)
+        if s.max_body_bytes > s.max_buffered_body_bytes:  # such a body would get 503 forever, never 413
+            raise ConfigError(
+                "flags",
+                "",
+                "--max-body-size",
+                f"{s.max_body_bytes} bytes is more than --max-buffered-body-size ({s.max_buffered_body_bytes}"
+                " bytes, what all request bodies may hold at once)",
+            )
         if self.scraper is None:
             log.warning(
                 "metrics scraping is disabled (--refresh-metrics-interval 0): the saturation detector "

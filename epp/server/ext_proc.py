@@ -204,11 +204,11 @@ class RequestStream:
             return self._reject(413, "PayloadTooLarge", f"request body exceeds {self.max_body_bytes} bytes")
         if self.budget is not None:
             if not self.budget.take(len(body.body)):
-                held = self.budget.limit // (1024 * 1024)
+                cap = self.budget.limit // (1024 * 1024)
                 return self._reject(
                     503,
                     "ServiceUnavailable",
-                    f"the EPP holds {held} MiB of request bodies (--max-buffered-body-size): retry shortly",
+                    f"the EPP holds {cap} MiB of request bodies (--max-buffered-body-size): retry shortly",
                     1,
                 )
             self.held += len(body.body)
@@ -262,6 +262,7 @@ class RequestStream:
                 ),
             )
         if self.request_mode != _DUPLEX:
+            self._drop_body()  # routed: Envoy has the body (or gets the new one below)
             if new_body is not None:
                 common.body_mutation.body = new_body
             return (
@@ -313,7 +314,10 @@ class RequestStream:
                 status = int(h.get(":status", "200"))
             except ValueError:
                 status = 0
-            self.director.on_served(routed, served_endpoint(msg))
+            try:  # (figures go to the endpoint Envoy served; a failure here must not lose the status)
+                self.director.on_served(routed, served_endpoint(msg))
+            except Exception:
+                self.director.bookkeeping_failed("served endpoint")
             self.director.on_response_status(routed, status)
             if headers.end_of_stream:
                 self.director.on_first_byte(routed)

@@ -302,8 +302,7 @@ class KvEventSubscriber:
         return matches[0] if len(matches) == 1 else None
 
     def _drop(self, pod: str, reason: str, now: float, detail: str) -> None:
-        self.ingest.drop(pod, reason, now)
-        self._logs.warn(pod, reason, "kv events from %s dropped (%s): %s", pod, reason, detail)
+        self._log_dropped(pod, self.ingest.drop(pod, reason, now, detail))
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket, pod: str, rank: int) -> None:
         try:

@@ -429,5 +429,10 @@ def test_the_bodies_all_streams_hold_share_one_budget() -> None:
     c.close()  # a client gone mid-body gives its bytes back too
     assert budget.held == 0
     a.close()
+    buffered = RequestStream(d, 1 << 20, budget)  # BUFFERED: routed on the body, which Envoy keeps
+    list(buffered.on_message(headers(mode=BUFFERED)))
+    (routed,) = list(buffered.on_message(body(BODY, True)))
+    assert routed.HasField("request_body") and budget.held == 0  # free while the response streams
+    buffered.close()
     with pytest.raises(ValueError, match="budget"):
         BodyBudget(0)

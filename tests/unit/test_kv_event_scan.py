@@ -167,7 +167,7 @@ def test_runs_split_where_the_tier_model_or_kind_changes() -> None:
         (CLEARED, None),
         (CLEARED, None),
     ]
-    assert scanned.runs[4] == (REMOVED, "gpu", [1, 2], None)
+    assert scanned.runs[4] == (REMOVED, "gpu", [1, 2], None, 2)
 
 
 @pytest.mark.parametrize(

@@ -565,6 +565,12 @@ def test_prompts_over_the_keying_limit_are_not_tokenized(tiny_dir: Path) -> None
         prompt_tokens_estimate=251,
     )
     assert service.prompt_tokens(chat) is None
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 2000}}]
+    bulky = InferenceRequest(  # short messages, megabytes of tools: the body's size counts
+        "r", ApiKind.CHAT_COMPLETIONS, "m", messages=[{"role": "user", "content": "x"}],
+        chat=ChatOptions(tools=tools), body_bytes=2100, prompt_tokens_estimate=1,
+    )  # fmt: skip
+    assert service.prompt_tokens(bulky) is None
     ids = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt=list(range(5000)))
     assert service.prompt_tokens(ids) is not None
-    assert service.unkeyed[("m", "too_long")] == 2
+    assert service.unkeyed[("m", "too_long")] == 3

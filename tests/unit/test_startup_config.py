@@ -108,6 +108,15 @@ def test_a_zero_body_limit_is_refused(size: str, capsys: pytest.CaptureFixture[s
     assert "--max-body-size: must be more than 0 bytes" in capsys.readouterr().err
 
 
+def test_a_body_limit_above_the_shared_budget_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Such a body would get 503 (retry) every time instead of 413."""
+    args = ["serve", "--endpoints", "127.0.0.1:1", "--host", "127.0.0.1", "--secure-serving=false"]
+    args += ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
+    assert main([*args, "--max-body-size", "64MiB", "--max-buffered-body-size", "32MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-body-size" in err and "more than --max-buffered-body-size" in err
+
+
 # -- 4. a certificate and a key that do not belong together -----------------------------------------
 
 
