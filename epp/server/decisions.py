@@ -102,12 +102,12 @@ def header_value(decision: Decision) -> str:
             f"cached_tokens={est.cached_tokens}",
             f"prompt_tokens={est.prompt_tokens}",
         ]
-    ranked = decision.ranking.of(decision.primary) if decision.ranking is not None else None
-    if ranked is not None and decision.ranking is not None:
-        ties = int(sum(bool(t) for t in decision.ranking.near_tie))
+    rank = decision.ranking
+    if rank is not None and rank.of(decision.primary) is not None:
+        ties = int(sum(bool(t) for t in rank.near_tie))
         if ties > 1:
             parts.append(f"near_ties={ties}")  # ranked by cached tokens, then KV usage
-        charged = decision.ranking.copy_charge_s
+        charged = rank.copy_charge_s
         if charged is not None and max(charged) > 0:
             parts.append(f"copy_charged={sum(1 for c in charged if c > 0)}")  # others charged for a copy
     return "; ".join(parts)
