@@ -250,7 +250,7 @@ class KvCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         if self.cpu is not None:
-            self.cpu.lru.clear()
+            self.cpu.clear()
         if self.sink is not None:
             self.sink.cleared()
             self.sink.flush(at)

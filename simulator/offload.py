@@ -32,6 +32,10 @@ class CpuTier:
     def __len__(self) -> int:
         return len(self.lru)
 
+    def clear(self) -> None:
+        """Forget every block (a prefix-cache reset)."""
+        self.lru.clear()
+
     def __contains__(self, h: int) -> bool:
         return h in self.lru
 
