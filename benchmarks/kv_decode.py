@@ -40,11 +40,13 @@ BLOCK_EVENTS_PER_BATCH = STORED_PER_BATCH * BLOCKS_PER_STORED + REMOVED_PER_BATC
 FORMS = ("map", "array")
 
 
-def make_batches(n_batches: int, form: str, seed: int) -> list[bytes]:
+def make_batches(n_batches: int, form: str, seed: int, lora: str | None = None) -> list[bytes]:
     """`n_batches` msgpack payloads as vLLM publishes them; form is "map" or "array".
 
     Each batch: 8 BlockStored (16 blocks of 16 tokens, chained parents, unsigned 64-bit
-    hashes, medium GPU, extra_keys one nil per block, group 0) then 4 BlockRemoved."""
+    hashes, medium GPU, extra_keys one nil per block, group 0) then 4 BlockRemoved. With `lora`
+    (map form): a LoRA adapter's events as vLLM 0.18+ sends them, `lora_name` set and the adapter's
+    name as every block's extra key."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     stored, removed = (BlockStored, BlockRemoved) if form == "map" else (ArrayBlockStored, ArrayBlockRemoved)
@@ -65,8 +67,8 @@ def make_batches(n_batches: int, form: str, seed: int) -> list[bytes]:
                     block_size=BLOCK_SIZE,
                     lora_id=None,
                     medium="GPU",
-                    lora_name=None,
-                    extra_keys=[None] * BLOCKS_PER_STORED,
+                    lora_name=lora,
+                    extra_keys=[None if lora is None else [lora] for _ in range(BLOCKS_PER_STORED)],
                     group_idx=0,
                 )
             )

@@ -13,7 +13,8 @@ digest hashes) and only what `decode_batch` would accept and read the same way. 
 to `decode_batch` (`scan_batch` returns None), which accepts what the schema allows and names what is
 wrong: an unknown or repeated field, a field of another event kind, missing required fields, an
 extension or bool where a number belongs, a string that is not UTF-8, trailing bytes, nesting beyond
-the shapes, an `extra_keys` or `cache_salt` that is not nil (a tenant salt), sizes beyond int64. A
+the shapes, `extra_keys` other than nils and the adapter's name (a tenant salt, multimodal ids), a
+`cache_salt` that is not nil, sizes beyond int64. A
 property test checks that every batch the scan takes reads as `decode_batch` reads it.
 
 Compiled with numba (`docs/architecture.md`, "Compiled loops").
@@ -36,7 +37,8 @@ CLEARED: Final = 2
 # columns of an event's row; a string is (offset in the payload, length), length -1 for nil
 KIND, H_AT, H_N, PARENT, HAS_PARENT, T_AT, T_N, BLOCK_SIZE, MEDIUM_AT, MEDIUM_N, LORA_AT, LORA_N = range(12)
 SPEC_AT, SPEC_N, GROUP = 12, 13, 14  # GROUP: group_idx, -1 for nil
-ROW: Final = 15
+EXTRA_AT, EXTRA_N = 15, 16  # the one string extra_keys entries hold ([s] per block: the adapter), if any
+ROW: Final = 17
 
 _NAMES: Final = (
     "type",  # 0
@@ -245,16 +247,32 @@ def _field(  # pragma: no cover - compiled
         row[col] = at
         row[col + 1] = n
         return q, nh, nt
-    if f == 8:  # extra_keys: nil, or nils only (anything else carries a tenant salt)
+    if f == 8:  # extra_keys: nil, or per block nil or [s], one string s throughout (vLLM 0.18+ puts the
+        # adapter's name there; `scan_batch` checks it is the event's lora_name: anything else is a salt)
         if p < end and buf[p] == 0xC0:
             return p + 1, nh, nt
         n, q = _head(buf, p, end, 0x90, 0xDC)
         if n < 0:
             return _BAD, nh, nt
         for _ in range(n):
-            if q >= end or buf[q] != 0xC0:
+            if q < end and buf[q] == 0xC0:
+                q += 1
+                continue
+            k, q = _head(buf, q, end, 0x90, 0xDC)
+            if k != 1:
                 return _BAD, nh, nt
-            q += 1
+            at, m, q = _str(buf, q, end)
+            if m < 0:
+                return _BAD, nh, nt
+            if row[EXTRA_N] < 0:
+                row[EXTRA_AT] = at
+                row[EXTRA_N] = m
+            elif m != row[EXTRA_N]:
+                return _BAD, nh, nt
+            else:
+                for j in range(m):
+                    if buf[at + j] != buf[row[EXTRA_AT] + j]:
+                        return _BAD, nh, nt
         return q, nh, nt
     if f == 12 and p < end and buf[p] == 0xC0:  # cache_salt: nil only
         return p + 1, nh, nt
@@ -271,6 +289,7 @@ def _event(  # pragma: no cover - compiled
     row[LORA_N] = -1
     row[SPEC_N] = -1
     row[GROUP] = -1
+    row[EXTRA_N] = -1
     if p >= end:
         return _BAD, nh, nt
     if 0x80 <= buf[p] <= 0x8F or buf[p] == 0xDE or buf[p] == 0xDF:
@@ -345,6 +364,7 @@ def _group(buf: Any, rows: Any, n: int, runs: Any) -> int:  # pragma: no cover -
                 and _same(buf, row, head, LORA_AT)
                 and _same(buf, row, head, SPEC_AT)
                 and row[GROUP] == head[GROUP]
+                and _same(buf, row, head, EXTRA_AT)
             ):
                 runs[r, 2] = e + 1
                 runs[r, 4] = row[H_AT] + row[H_N]
@@ -361,11 +381,13 @@ def _group(buf: Any, rows: Any, n: int, runs: Any) -> int:  # pragma: no cover -
         runs[r, 6] = row[T_AT] + row[T_N]
         runs[r, 7:13] = row[MEDIUM_AT : SPEC_N + 1]
         runs[r, 13] = row[GROUP]
+        runs[r, 14] = row[EXTRA_AT]
+        runs[r, 15] = row[EXTRA_N]
     return r + 1
 
 
 _HEAD: Final = 4  # work[:4]: ts's 64 bits, dp rank, 1 if the rank was sent and not nil, events
-_RUN: Final = 14  # a run's columns (`_group`)
+_RUN: Final = 16  # a run's columns (`_group`)
 _EVENT: Final = 4  # per event, after the runs: has parent, hashes, tokens, block size
 
 
@@ -498,7 +520,7 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
     ev_at = _HEAD + nruns * _RUN
     try:
         for r in range(_HEAD, ev_at, _RUN):
-            kind, e0, e1, h0, h1, t0, t1, m_at, m_n, l_at, l_n, s_at, s_n, grp = w[r : r + _RUN]
+            kind, e0, e1, h0, h1, t0, t1, m_at, m_n, l_at, l_n, s_at, s_n, grp, x_at, x_n = w[r : r + _RUN]
             if kind == CLEARED:
                 out.append(_CLEARED)
                 continue
@@ -511,6 +533,8 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
                 if grp >= 0:
                     partial[grp] = None
                 continue
+            if x_n >= 0 and (x_n != l_n or payload[x_at : x_at + x_n] != payload[l_at : l_at + l_n]):
+                return None  # extra keys other than the adapter's name: a tenant salt (decode_batch's)
             cols = w[ev_at + e0 * _EVENT : ev_at + e1 * _EVENT]
             has = cols[0::_EVENT]
             parents = hl[nh + e0 : nh + e1]

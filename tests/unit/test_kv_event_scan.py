@@ -50,7 +50,19 @@ def stored_event(draw: st.DrawFn, form: str) -> Any:
         "lora_id": _opt_int,
         "medium": _medium,
         "lora_name": st.sampled_from([None, "adapter", "a"]),
-        "extra_keys": st.sampled_from([None, [None] * n, [["salt"]] + [None] * max(0, n - 1), []]),
+        "extra_keys": st.sampled_from(
+            [
+                None,
+                [None] * n,
+                [["salt"]] + [None] * max(0, n - 1),
+                [],
+                [["adapter"]] * n,  # vLLM 0.18+: the adapter's name in every block
+                [["a"]] + [None] * max(0, n - 1),
+                [["adapter", "salt"]] + [["adapter"]] * max(0, n - 1),  # and the salt in the first
+                [["adapter"], ["a"]],
+                [[7]] * n,
+            ]
+        ),
         "group_idx": _opt_int,
         "kv_cache_spec_kind": st.sampled_from([None, "full_attention", "mla_attention", "sliding_window"]),
         "kv_cache_spec_sliding_window": _opt_int,
@@ -193,6 +205,11 @@ def test_runs_split_where_the_tier_model_or_kind_changes() -> None:
             "unknown field",
         ),
         (enc([1.0, [["BlockStored", [1], None, [1], 1, None, None, None, [["salt"]]]]]), "a tenant salt"),
+        (
+            enc([1.0, [["BlockStored", [1], None, [1], 1, None, None, "ad", [["ad", "s"]]]]]),
+            "an adapter's salt",
+        ),
+        (enc([1.0, [["BlockStored", [1], None, [1], 1, None, None, "ad", [["other"]]]]]), "not the adapter"),
         (enc([1.0, [["BlockStored", [b"\x00" * 8], None, [1], 1]]]), "an 8-byte hash"),
         (enc([1.0, [["BlockStored", [1], None, [1.5], 1]]]), "a float token id"),
         (enc([1.0, [["BlockRemoved", [True]]]]), "a bool hash"),
@@ -227,6 +244,19 @@ def test_float32_timestamps_and_ranks() -> None:
     payload = b"\x93\xca" + np.float32(1.5).byteswap().tobytes() + b"\x90\x05"
     scanned = same_reading(payload)
     assert scanned is not None and (scanned.ts, scanned.data_parallel_rank) == (1.5, 5)
+
+
+def test_lora_batches_with_the_adapter_in_extra_keys_are_taken() -> None:
+    """vLLM 0.18+ puts the adapter's name in every block's extra keys: the scan takes such a batch (one
+    run, no salt), as decode_batch reads it."""
+    events = [
+        ["BlockStored", [1, 2], None, [1, 2, 3, 4], 2, None, "GPU", "ad", [["ad"], ["ad"]]],
+        ["BlockStored", [3], 2, [5, 6], 2, None, "GPU", "ad", [["ad"]]],
+    ]
+    scanned = same_reading(enc([1.0, events]))
+    assert scanned is not None and len(scanned.runs) == 1
+    run = scanned.runs[0]
+    assert (run[0], run[2], run[3], run[4]) == (STORED, "ad", None, [1, 2, 3])  # type: ignore[misc]
 
 
 def test_other_kv_groups_are_skipped_and_counted() -> None:
