@@ -163,6 +163,21 @@ class CostModel:
         out: dict[str, dict[str, float]] = {}
         for model, c in sorted(self._calibrators.items()):
             snap = c.snapshot()
-            snap["prefill_seconds_per_token"] = self.profile(model).prefill_per_token_s * c.prefill_scale
+            snap["prefill_seconds_per_token"] = self._per_token(model, c.prefill_scale)
             out[model] = snap
         return out
+
+    def calibration_of(self, model: str) -> dict[str, float]:
+        """One model's scales now (1 and 1 before any fit), its observations and effective prefill seconds
+        per token; creates no calibrator (model names come from clients)."""
+        c = self._calibrators.get(model)
+        prefill, queue, seen = (c.prefill_scale, c.queue_scale, c.observations) if c else (1.0, 1.0, 0)
+        return {
+            "prefill_scale": prefill,
+            "queue_scale": queue,
+            "observations": seen,
+            "prefill_seconds_per_token": self._per_token(model, prefill),
+        }
+
+    def _per_token(self, model: str, prefill_scale: float) -> float:
+        return self.profile(model).prefill_per_token_s * prefill_scale

@@ -154,15 +154,7 @@ class Director:
         estimates), kept with the decision for /debug/decisions."""
         if self.cost is None or not decision.estimates:
             return {}
-        # Read without creating a calibrator: model names come from clients.
-        c = self.cost._calibrators.get(model)
-        prefill, queue, seen = (c.prefill_scale, c.queue_scale, c.observations) if c else (1.0, 1.0, 0)
-        return {
-            "prefill_scale": prefill,
-            "queue_scale": queue,
-            "observations": seen,
-            "prefill_seconds_per_token": self.cost.profile(model).prefill_per_token_s * prefill,
-        }
+        return self.cost.calibration_of(model)
 
     def on_served(self, routed: RoutedRequest, served: str | None) -> None:
         """Envoy reported the endpoint it sent the request to. When that is a fallback of the decision,
