@@ -201,6 +201,16 @@ class ChatOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """A prompt's token ids computed ahead of scheduling (the server tokenizes long text and chat prompts in a
+    worker thread, `epp/server/tokenizing.py`), or why they cannot be known (`unkeyed`: "no_tokenizer",
+    "too_long", "tokenizer_error")."""
+
+    ids: npt.NDArray[np.int32] | Sequence[int] | None
+    unkeyed: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceRequest:
     """One OpenAI-style request, parsed once at the edge."""
 
@@ -218,6 +228,7 @@ class InferenceRequest:
     prompt_tokens_estimate: int = 0
     cache_salt: str | None = None
     chat: ChatOptions | None = None  # None: the defaults
+    tokens: PromptTokens | None = None  # None: tokenized when a scorer needs them
 
     @property
     def sheddable(self) -> bool:

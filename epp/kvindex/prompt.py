@@ -26,6 +26,7 @@ probes show that this is all it does (else that call is not cached).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -42,6 +43,7 @@ from epp.types import InferenceRequest
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_CHUNK_CHARS = 1024
 _PARALLEL_CHARS = 32 * 1024
+_GIL_FREE_CHARS = 8 * 1024  # a text this long is encoded by the batch call, without the GIL (`_ids`)
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -70,7 +72,8 @@ class PromptTokenizer:
     """One model's tokenizer and chat template, with a bounded prefix cache. See the module docstring.
 
     It takes over the `tokenizers.Tokenizer` it is given (switches truncation and padding off, may add
-    special tokens). Not thread-safe: one owner (the event loop) calls it. Ids come back as int32 arrays.
+    special tokens). Thread-safe: calls that use the prefix cache take turns (the server tokenizes long
+    prompts in a worker thread, short ones on its event loop). Ids come back as int32 arrays.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class PromptTokenizer:
             self._tok, spec or json.loads(tokenizer.to_str()), chunk_chars
         )
         self._cache = PrefixCache(self._encode_body, self._encode_bodies, chunker, max_bytes=cache_bytes)
+        self._lock = threading.Lock()  # the prefix cache's
         self._affixes = special_affixes(tokenizer)
         if self._affixes is None:
             self.chunking_notes.append("add_special_tokens=True is not a fixed prefix/suffix: not cached")
@@ -213,8 +217,17 @@ class PromptTokenizer:
         return bool(missing)
 
     def _encode_body(self, text: str) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-        return ids
+        return self._ids(text, add_special_tokens=False)
+
+    def _ids(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """One text's ids. A long one goes through the batch call, which lets go of the GIL while it works
+        (`encode` keeps it: a worker thread tokenizing with it would stop the event loop) and, without
+        offsets, is faster too; the ids are the same."""
+        if len(text) < _GIL_FREE_CHARS:
+            short: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            return short
+        long: list[int] = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return long
 
     def _encode_bodies(self, texts: list[str]) -> list[list[int]]:
         if sum(map(len, texts)) < _PARALLEL_CHARS:  # a thread-pool batch costs ~0.1 ms before any work
@@ -248,15 +261,17 @@ class PromptTokenizer:
         """`encode(text, add_special_tokens=...)`, using the prefix cache."""
         if add_special_tokens:
             if self._affixes is None:
-                return np.asarray(self._tok.encode(text).ids, dtype=TOKEN_DTYPE)
+                return np.asarray(self._ids(text, add_special_tokens=True), dtype=TOKEN_DTYPE)
             prefix, suffix = self._affixes
-            body = self._cache.encode(text)
+            with self._lock:
+                body = self._cache.encode(text)
             if not prefix and not suffix:
                 return body
             return np.concatenate(
                 [np.asarray(prefix, dtype=TOKEN_DTYPE), body, np.asarray(suffix, dtype=TOKEN_DTYPE)]
             )
-        return self._cache.encode(text)
+        with self._lock:
+            return self._cache.encode(text)
 
     def encode_uncached(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """The reference: the whole text in one tokenizer call (no cache)."""
@@ -323,10 +338,12 @@ class PromptTokenizer:
     def cache_stats(self) -> dict[str, int]:
         """hits / misses (chunks), bytes, entries, evictions, unstable (chunks that failed verification),
         tokenized_chars (characters given to the tokenizer through the cache)."""
-        return self._cache.stats()
+        with self._lock:
+            return self._cache.stats()
 
     def clear_cache(self) -> None:
-        self._cache.clear()
+        with self._lock:
+            self._cache.clear()
 
 
 class TokenizerRegistry:

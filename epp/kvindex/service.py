@@ -17,9 +17,13 @@ from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.requests import CHARS_PER_TOKEN
-from epp.types import ChatOptions, InferenceRequest
+from epp.types import ChatOptions, InferenceRequest, PromptTokens
 
 _DEFAULT_CHAT = ChatOptions()
+_NO_TOKENIZER = PromptTokens(None, "no_tokenizer")
+_TOO_LONG = PromptTokens(None, "too_long")
+_TOKENIZER_ERROR = PromptTokens(None, "tokenizer_error")
+_NO_PROMPT = PromptTokens(None)
 
 SERVICE_KEY = "kv_index"
 _EMPTY = np.zeros(0, dtype=np.uint64)
@@ -38,47 +42,72 @@ class KvIndexService:
     # scorer plugin name -> its speculative entries (`speculativeTtl`), kept apart from the exact index;
     # listed here so that /debug/index and the metrics report their size
     speculative: dict[str, SpeculativeBlocks] = field(default_factory=dict)
-    # text and chat prompts longer than this (characters) are not tokenized: tokenizing runs on the
-    # event loop, ~1 s a MB; they get no cache credit and count as unkeyed ("too_long")
+    # text and chat prompts longer than this (characters) are not tokenized (~1 s a MB, and the server
+    # tokenizes long prompts one at a time in a worker thread): they get no cache credit and count as
+    # unkeyed ("too_long")
     max_keyed_prompt_chars: int = 524_288
 
     def prompt_tokens(self, request: InferenceRequest) -> list[int] | np.ndarray | None:
-        """The prompt's token ids as the engine sees them, or None when they cannot be known."""
+        """The prompt's token ids as the engine sees them, or None when they cannot be known (counted in
+        `unkeyed`). Ids computed ahead (`request.tokens`) are used as they are."""
+        result = request.tokens if request.tokens is not None else self.tokenize(request)
+        if result.unkeyed is not None:
+            self._unkeyed(request.model, result.unkeyed)
+        ids = result.ids
+        return ids if ids is None or isinstance(ids, (list, np.ndarray)) else list(ids)
+
+    def tokenizing_chars(self, request: InferenceRequest) -> int:
+        """About how many characters `tokenize` reads for this request: 0 when it reads none (token ids
+        given, no tokenizer for the model, too long, no prompt). The server tokenizes long ones in a
+        worker thread (`epp/server/tokenizing.py`)."""
+        if request.prompt is not None and not isinstance(request.prompt, str):
+            return 0
+        if request.messages is None and request.prompt is None:
+            return 0
+        if self.tokenizers.get(request.model) is None:
+            return 0
+        chars = self._prompt_chars(request)
+        return chars if chars <= self.max_keyed_prompt_chars else 0
+
+    def tokenize(self, request: InferenceRequest) -> PromptTokens:
+        """The prompt's token ids, or why they cannot be known; counts nothing (the caller does), so a
+        worker thread may call it (the tokenizer serialises its own calls)."""
         prompt = request.prompt
         if isinstance(prompt, np.ndarray):  # token ids as an array (the simulator): used as they are
-            return prompt
+            return PromptTokens(prompt)
         if prompt is not None and not isinstance(prompt, str):
-            return list(prompt)
+            return PromptTokens(list(prompt))
         tok = self.tokenizers.get(request.model)
         if tok is None:
-            self._unkeyed(request.model, "no_tokenizer")
-            return None
-        # a chat renders its messages and its tools, documents...: the body's size bounds all of it
-        chars = (
-            len(prompt)
-            if isinstance(prompt, str)
-            else max(request.body_bytes, request.prompt_tokens_estimate * CHARS_PER_TOKEN)
-        )
-        if chars > self.max_keyed_prompt_chars:
-            self._unkeyed(request.model, "too_long")
-            return None
+            return _NO_TOKENIZER
+        if self._prompt_chars(request) > self.max_keyed_prompt_chars:
+            return _TOO_LONG
         try:
             if request.messages is not None:
                 c = request.chat or _DEFAULT_CHAT
-                return tok.encode_chat(
-                    request.messages,
-                    add_generation_prompt=c.add_generation_prompt,
-                    continue_final_message=c.continue_final_message,
-                    tools=c.tools,
-                    documents=c.documents,
-                    chat_template_kwargs=c.chat_template_kwargs,
+                return PromptTokens(
+                    tok.encode_chat(
+                        request.messages,
+                        add_generation_prompt=c.add_generation_prompt,
+                        continue_final_message=c.continue_final_message,
+                        tools=c.tools,
+                        documents=c.documents,
+                        chat_template_kwargs=c.chat_template_kwargs,
+                    )
                 )
             if isinstance(prompt, str):
-                return tok.encode_prompt(prompt)
+                return PromptTokens(tok.encode_prompt(prompt))
         except TokenizerError:
-            self._unkeyed(request.model, "tokenizer_error")
-            return None
-        return None
+            return _TOKENIZER_ERROR
+        return _NO_PROMPT
+
+    @staticmethod
+    def _prompt_chars(request: InferenceRequest) -> int:
+        """A text prompt's length; a chat renders its messages and its tools, documents...: the body's size
+        bounds all of it."""
+        if isinstance(request.prompt, str):
+            return len(request.prompt)
+        return max(request.body_bytes, request.prompt_tokens_estimate * CHARS_PER_TOKEN)
 
     def _unkeyed(self, model: str, reason: str) -> None:
         """Count a request that could not be keyed; the model names are clients' to choose: bounded."""

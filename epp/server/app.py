@@ -40,6 +40,7 @@ from epp.server.kv_metrics import KvIndexCollector
 from epp.server.metrics import EppMetrics
 from epp.server.startup import ScrapeRound, check_scrape_settings
 from epp.server.tls import load_cert_dir, self_signed
+from epp.server.tokenizing import PromptTokenizing
 from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.metrics_scrape import MetricsScraper
 from epp.tenancy import TenancyConfig, TenantSalter
@@ -130,6 +131,8 @@ class EppServer:
             services={SERVICE_KEY: self.kv, COST_KEY: self.cost},
         )
         self.decisions = DecisionLog(config.explain.keep)
+        # long prompts are tokenized off the event loop (only models with a tokenizer are tokenized)
+        self.tokenizing = PromptTokenizing(self.kv) if config.tokenizers else None
         tenancy = None
         if config.tenancy is not None:
             t = config.tenancy
@@ -144,6 +147,7 @@ class EppServer:
             tenancy=tenancy,
             decisions=self.decisions,
             decision_header=config.explain.response_header,
+            tokenizing=self.tokenizing,
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.admin = AdminServer(
@@ -324,6 +328,8 @@ class EppServer:
             await self.subscriber.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self.tokenizing is not None:
+            self.tokenizing.close()
         if self._health_server is not None:
             await self._health_server.stop(None)
         await self.admin.stop()

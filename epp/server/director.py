@@ -22,6 +22,7 @@ from epp.scheduling.errors import NoEndpointsError
 from epp.scheduling.scheduler import Scheduler
 from epp.server.decisions import DecisionLog
 from epp.server.metrics import EppMetrics
+from epp.server.tokenizing import PromptTokenizing
 from epp.tenancy import TenantSalter
 from epp.types import NO_WORK, Decision, InferenceRequest, TtftEstimate
 from epp.usage import Usage
@@ -35,6 +36,12 @@ MAX_MODEL_LABEL_CHARS = 256
 OTHER_MODEL = "other"
 FAILURE_LOG_EVERY_S = 30.0
 """Bookkeeping failures on the response path are logged at most this often (all are counted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    request: InferenceRequest
+    new_body: bytes | None  # the body to forward when the EPP changed it (tenant salt)
 
 
 @dataclass(slots=True)
@@ -75,6 +82,7 @@ class Director:
         tenancy: TenantSalter | None = None,
         decisions: DecisionLog | None = None,
         decision_header: bool = False,
+        tokenizing: PromptTokenizing | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
@@ -85,6 +93,7 @@ class Director:
         self.tenancy = tenancy
         self.decisions = decisions
         self.decision_header = decision_header
+        self.tokenizing = tokenizing  # long prompts tokenized in a worker thread between parse and route
         self._model_labels: dict[str, str] = {}
         self._failure_logged_at = -math.inf
         self._failures_unlogged = 0
@@ -109,6 +118,11 @@ class Director:
         """Pick endpoints for a request. Raises RequestError or SchedulingError. `streamed_response`:
         Envoy passes the response body on as it comes (so the first body byte is the first token
         of a streamed request)."""
+        return self.route_parsed(self.parse(headers, body), subset, streamed_response)
+
+    def parse(self, headers: Mapping[str, str], body: bytes | bytearray | None) -> ParsedRequest:
+        """The first half of `route`: validate the request (raises RequestError) and apply the tenant's
+        salt. Between the halves the server may tokenize the prompt in a worker thread."""
         doc: dict[str, Any] | None = None if body is None else parse_body(body)
         new_body: bytes | None = None
         if self.tenancy is not None:  # the tenant's salt replaces any client-sent cache_salt
@@ -117,6 +131,16 @@ class Director:
             else:
                 self.tenancy.tenant_of(headers)  # a header-only request still needs a tenant
         request = build_request(headers, doc, self.objectives, len(body) if body is not None else 0)
+        return ParsedRequest(request, new_body)
+
+    def route_parsed(
+        self,
+        parsed: ParsedRequest,
+        subset: Collection[str] | None = None,
+        streamed_response: bool = True,
+    ) -> RoutedRequest:
+        """The second half of `route`: schedule and account. Raises SchedulingError."""
+        request, new_body = parsed.request, parsed.new_body
         if subset is not None:
             candidates = self.datastore.candidates(subset)
             if not candidates:

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -27,7 +28,7 @@ from epp.requests import RequestError
 from epp.scheduling.errors import SchedulingError, SloExceededError
 from epp.server.body_budget import BodyBudget
 from epp.server.decisions import DECISION_HEADER, header_value
-from epp.server.director import Director, RoutedRequest
+from epp.server.director import Director, ParsedRequest, RoutedRequest
 from epp.usage import UsageReader
 
 log = logging.getLogger("epp.ext_proc")
@@ -49,6 +50,17 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON_CT = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
 )
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A request whose routing waits for its prompt's tokens (`RequestStream.resume`)."""
+
+    parsed: ParsedRequest
+    body: bytearray | None
+    header_phase: bool
+    body_eos: bool
+    trailers: bool  # it came with request trailers: answer them after the routing answer
 
 
 def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
@@ -153,6 +165,7 @@ class RequestStream:
         self.response_mode = _DUPLEX
         self.body = bytearray()
         self.routed: RoutedRequest | None = None
+        self.pending: _Pending | None = None  # parsed, its prompt being tokenized in the worker thread
         self.usage: UsageReader | None = None
         self.done = False
 
@@ -222,13 +235,15 @@ class RequestStream:
     def _request_trailers(self) -> Iterable[pb.ProcessingResponse]:
         out: list[pb.ProcessingResponse] = []
         if self.routed is None and not self.done:
-            out.extend(self._route(self.body, header_phase=False, body_eos=False))
+            out.extend(self._route(self.body, header_phase=False, body_eos=False, trailers=True))
+            if self.pending is not None:
+                return out  # the trailers are answered after the routing answer (`resume`)
         if not self.done:
             out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
         return out
 
     def _route(
-        self, body: bytearray | None, header_phase: bool, body_eos: bool = True
+        self, body: bytearray | None, header_phase: bool, body_eos: bool = True, trailers: bool = False
     ) -> Iterable[pb.ProcessingResponse]:
         if body is not None and self.request_mode == _STREAMED and self.director.tenancy is not None:
             # STREAMED chunks were passed on as they came: the body can no longer be changed.
@@ -239,10 +254,40 @@ class RequestStream:
                 "FULL_DUPLEX_STREAMED or BUFFERED",
             )
         try:
-            streamed = self.response_mode in (_DUPLEX, _STREAMED)
-            routed = self.director.route(self.headers, body, self.subset, streamed)
+            parsed = self.director.parse(self.headers, body)
         except RequestError as err:
             return self._reject(err.status, err.code, err.message)
+        except Exception:
+            log.exception("internal error while routing")
+            return self._reject(500, "Internal", "internal error")
+        tokenizing = self.director.tokenizing
+        if tokenizing is not None and tokenizing.wanted(parsed.request):
+            # a long prompt: tokenized in the worker thread, then routed (`resume`, from `Process`)
+            self.pending = _Pending(parsed, body, header_phase, body_eos, trailers)
+            return ()
+        return self._answer(parsed, body, header_phase, body_eos)
+
+    async def resume(self) -> Iterable[pb.ProcessingResponse]:
+        """Route the request `_route` left pending, once its prompt is tokenized in the worker thread."""
+        p, self.pending = self.pending, None
+        assert p is not None and self.director.tokenizing is not None
+        try:
+            request = await self.director.tokenizing.tokenize(p.parsed.request)
+        except Exception:
+            log.exception("internal error while tokenizing")
+            return self._reject(500, "Internal", "internal error")
+        parsed = ParsedRequest(request, p.parsed.new_body)
+        out = list(self._answer(parsed, p.body, p.header_phase, p.body_eos))
+        if p.trailers and not self.done:
+            out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        return out
+
+    def _answer(
+        self, parsed: ParsedRequest, body: bytearray | None, header_phase: bool, body_eos: bool
+    ) -> Iterable[pb.ProcessingResponse]:
+        try:
+            streamed = self.response_mode in (_DUPLEX, _STREAMED)
+            routed = self.director.route_parsed(parsed, self.subset, streamed)
         except SloExceededError as err:
             return self._reject(err.status, err.code, str(err), err.retry_after_s)
         except SchedulingError as err:
@@ -404,6 +449,9 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             async for msg in request_iterator:
                 for resp in stream.on_message(msg):
                     yield resp
+                if stream.pending is not None:
+                    for resp in await stream.resume():
+                        yield resp
                 if stream.done:
                     # Envoy resets the stream once it has the last answer. The reset must find no gRPC
                     # batch of ours in flight: grpcio's aio server leaks the native ops of a read

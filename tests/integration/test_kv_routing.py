@@ -9,8 +9,9 @@ from typing import Any
 
 from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import PromptTokenizer
+from epp.server.tokenizing import OFFLOAD_CHARS
 from epp.testing.kv_publisher import KvEventPublisher, stored
-from epp.testing.tokenizer import build_tiny_tokenizer
+from epp.testing.tokenizer import build_tiny_tokenizer, generated_text
 
 from .stack import BS, MODEL, eventually, kv_cluster
 
@@ -100,3 +101,28 @@ async def test_stale_pods_get_no_cache_credit() -> None:
         )
         served = {await post(c, "/v1/completions", {"model": MODEL, "prompt": prompt}) for _ in range(4)}
         assert "pod-1" not in served
+
+
+async def test_a_long_chat_prompt_is_tokenized_off_the_event_loop_and_routed_to_its_holder(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A prompt of tens of KB takes tens of ms to tokenize cold: the EPP does it in its worker thread
+    (the event loop serves other streams meanwhile) and routes with the ids it got there."""
+    tok_dir = build_tiny_tokenizer(tmp_path / "tok")
+    messages = [
+        {"role": "system", "content": generated_text(3 * OFFLOAD_CHARS)},
+        {"role": "user", "content": "Which pod holds this long conversation?"},
+    ]
+    ids = [int(t) for t in PromptTokenizer.from_dir(tok_dir).encode_chat(messages)]
+    async with kv_cluster(str(tok_dir)) as c:
+        epp = c["epp"]
+        holder = c["backends"][1]
+        n = await publish_prompt(c["pubs"][1], ids, 500)
+        await eventually(lambda: epp.kv_index.pod_counts(holder.address).get("gpu") == n, "blocks indexed")
+        body = {"model": MODEL, "messages": messages}
+        assert [await post(c, "/v1/chat/completions", body) for _ in range(3)] == ["pod-1"] * 3
+        assert epp.tokenizing is not None and epp.tokenizing.offloaded == 3
+        # A short prompt is still tokenized on the loop.
+        short = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+        await post(c, "/v1/chat/completions", short)
+        assert epp.tokenizing.offloaded == 3
