@@ -46,7 +46,7 @@ from simulator.kernel import Kernel
 from simulator.latency import DEFAULT_PROFILE, LatencyProfile
 from simulator.records import RequestRecord as EngineRecord
 from simulator.records import SimRequest, as_token_array, fed_tokens
-from simulator.results import RequestRecord
+from simulator.results import REJECTED, RequestRecord
 from simulator.traces import TraceRequest
 
 
@@ -156,12 +156,16 @@ class Cluster:
                 on_finish=self._finish,
             )
         self.records: list[RequestRecord] = []
-        self.rejected = 0
         self.modes: Counter[str] = Counter()  # picks by mode (cache-aware, degraded, load-only)
         self._pending = -1  # requests of the trace not yet finished or rejected (-1: not started)
         self._arrivals_left = -1
         self._inbox: deque[tuple[tuple[float, int, int], str, int, bytes]] = deque()  # see _receive
         self._scrape()
+
+    @property
+    def rejected(self) -> int:
+        """Requests of the run the router found no pod for (recorded with status `rejected`)."""
+        return sum(1 for r in self.records if r.status == REJECTED)
 
     # -- the router's view -------------------------------------------------------------------------
     def _scrape(self) -> None:
@@ -236,7 +240,6 @@ class Cluster:
         try:
             decision = self.scheduler.schedule(request, self.datastore.candidates()).decision
         except SchedulingError:
-            self.rejected += 1
             self._pending -= 1
             rejected = RequestRecord.rejected(r.index, r.arrival, len(r.prompt))
             self.records.append(rejected)

@@ -12,6 +12,7 @@ import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -101,17 +102,13 @@ def summarize(records: Sequence[RequestRecord], pods: Sequence[str]) -> Figures:
     if not done:
         out.update(dict.fromkeys(FIGURES))
         return out
-    rows = [(r.arrival_s, r.first_token_s, r.finished_s) for r in done]
-    times = np.array(rows, dtype=np.float64).reshape(-1, 3)  # arrival, first token, finish
-    outputs = np.array([r.output_tokens for r in done])
-    ttft = times[:, 1] - times[:, 0]
-    several = outputs > 1
-    tpot = (times[several, 2] - times[several, 1]) / (outputs[several] - 1)
-    e2e = times[:, 2] - times[:, 0]
+    ttft = np.array([r.ttft_s for r in done], dtype=np.float64)
+    tpot = np.array([r.tpot_s for r in done if r.output_tokens > 1], dtype=np.float64)  # (one token: no tpot)
+    e2e = np.array([r.e2e_s for r in done], dtype=np.float64)
     prompt = sum(r.prompt_tokens for r in done)
     reused = sum(r.cached_tokens + r.loaded_tokens for r in done)
-    start = float(times[:, 0].min())
-    end = float(times[:, 2].max())
+    start = min(r.arrival_s for r in done)
+    end = max(cast(float, r.finished_s) for r in done)
     span = max(end - start, 1e-9)
     per_pod = Counter(r.pod for r in done)
     counts = np.array([per_pod.get(p, 0) for p in pods], dtype=np.float64)
