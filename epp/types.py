@@ -289,6 +289,13 @@ class RankTerms:
             i = list(self.ids).index(endpoint)
         except ValueError:
             return None
+        return self._terms(i)
+
+    def by_endpoint(self) -> dict[EndpointId, tuple[float, bool]]:
+        """`of` for every ranked candidate at once (an explanation lists them all)."""
+        return {ep: self._terms(i) for i, ep in enumerate(self.ids)}
+
+    def _terms(self, i: int) -> tuple[float, bool]:
         charge = 0.0 if self.copy_charge_s is None else float(self.copy_charge_s[i])
         return charge, bool(self.near_tie[i])
 

@@ -58,12 +58,13 @@ class DecisionLog:
         for r in reversed(records):
             d = r.decision
             candidates = []
+            ranking = d.ranking.by_endpoint() if d.ranking is not None else {}
             for ep, score in d.scores.items():
                 entry: dict[str, Any] = {"endpoint": ep, "score": round(score, 6)}
                 est = d.estimates.get(ep)
                 if est is not None:
                     entry.update({k: round(v, 6) for k, v in est.terms().items()})
-                ranked = d.ranking.of(ep) if d.ranking is not None else None
+                ranked = ranking.get(ep)
                 if ranked is not None:  # why a candidate with a larger ttft_s can rank first
                     entry["copy_charge_s"] = round(ranked[0], 6)
                     entry["near_tie"] = ranked[1]

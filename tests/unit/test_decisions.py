@@ -154,3 +154,11 @@ def test_the_ranking_terms_explain_a_winner_with_a_larger_ttft() -> None:
     )
     assert "near_ties" not in header_value(uncharged) and "copy_charged" not in header_value(uncharged)
     assert RankTerms(("a:1",), None, [True]).of("z:1") is None
+
+
+def test_ranking_terms_of_every_candidate_at_once_match_one_by_one() -> None:
+    rank = RankTerms(("a:1", "b:1", "c:1"), [0.0, 0.25, 0.0], [True, False, True])
+    every = rank.by_endpoint()
+    assert every == {ep: rank.of(ep) for ep in rank.ids}
+    assert every["b:1"] == (0.25, False)
+    assert RankTerms(("a:1",), None, [False]).by_endpoint() == {"a:1": (0.0, False)}
