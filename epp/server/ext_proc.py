@@ -12,33 +12,34 @@ response passed on).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import grpc
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 from epp.requests import RequestError
 from epp.scheduling.errors import SchedulingError, SloExceededError
 from epp.server.body_budget import BodyBudget
 from epp.server.decisions import DECISION_HEADER, header_value
 from epp.server.director import Director, ParsedRequest, RoutedRequest
+from epp.server.ext_proc_wire import (
+    MAX_CHUNK,
+    destination_mutation,
+    echo,
+    error_response,
+    header,
+    header_map,
+    lb_metadata,
+    served_endpoint,
+    subset_hint,
+)
 from epp.usage import UsageReader
 
 log = logging.getLogger("epp.ext_proc")
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
-MAX_CHUNK = 62_000
 # After the response's last answer: how long to wait for Envoy to reset the stream before ending it
 # with an OK status (`ExtProcService.Process`).
 END_GRACE_S = 0.25
@@ -46,10 +47,6 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 _DUPLEX = 4  # ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = 1
-_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_JSON_CT = base_pb2.HeaderValueOption(
-    header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,93 +58,6 @@ class _Pending:
     header_phase: bool
     body_eos: bool
     trailers: bool  # it came with request trailers: answer them after the routing answer
-
-
-def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
-    """Lower-cased names; a header sent several times is one comma-joined value (RFC 9110 5.3), so
-    a repeated trusted header is visible as such, never silently the last copy."""
-    values: dict[str, list[str]] = {}
-    for h in headers.headers.headers:
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        values.setdefault(h.key.lower(), []).append(value)
-    return {key: ",".join(v) for key, v in values.items()}  # joined once: linear in the copies
-
-
-def served_endpoint(req: pb.ProcessingRequest) -> str | None:
-    """The endpoint Envoy reports it sent the request to, when it says (response path)."""
-    md = req.metadata_context.filter_metadata
-    if LB_NAMESPACE not in md:
-        return None
-    value = md[LB_NAMESPACE].fields.get(SERVED_KEY)
-    return value.string_value or None if value is not None else None
-
-
-def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
-    """The gateway's allowed endpoints, or None when there is no hint."""
-    md = req.metadata_context.filter_metadata
-    if SUBSET_NAMESPACE not in md:
-        return None
-    fields = md[SUBSET_NAMESPACE].fields
-    if SUBSET_KEY not in fields:
-        return None
-    value = fields[SUBSET_KEY]
-    kind = value.WhichOneof("kind")
-    if kind == "list_value":
-        items = [v.string_value for v in value.list_value.values]
-    elif kind == "string_value":
-        items = value.string_value.split(",")
-    else:
-        items = []
-    return [i.strip() for i in items if i.strip()]
-
-
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
-    )
-
-
-def error_response(
-    status: int, code: str, message: str, retry_after: int | None = None
-) -> pb.ProcessingResponse:
-    body = json.dumps(
-        {"error": {"message": f"inference error: {code} - {message}", "type": code, "code": status}}
-    ).encode()
-    headers = [_JSON_CT]
-    if retry_after is not None:
-        headers.append(_header("retry-after", str(retry_after)))
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=headers),
-            body=body,
-            details=f"epp_{code}",
-        )
-    )
-
-
-def _destination_mutation(value: str, content_length: int | None = None) -> pb.CommonResponse:
-    headers = [_header(DESTINATION_HEADER, value)]
-    if content_length is not None:
-        headers.append(_header("content-length", str(content_length)))
-    return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
-
-
-def _lb_metadata(value: str) -> struct_pb2.Struct:
-    md = struct_pb2.Struct()
-    md.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
-    return md
-
-
-def _echo(chunk: bytes, eos: bool, response: bool) -> pb.ProcessingResponse:
-    body = pb.BodyResponse(
-        response=pb.CommonResponse(
-            body_mutation=pb.BodyMutation(
-                streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=eos)
-            )
-        )
-    )
-    return pb.ProcessingResponse(response_body=body) if response else pb.ProcessingResponse(request_body=body)
 
 
 class RequestStream:
@@ -209,7 +119,7 @@ class RequestStream:
     def _request_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
         if self.routed is not None:  # body after a header-only pick: pass through
             return (
-                (_echo(body.body, body.end_of_stream, False),)
+                (echo(body.body, body.end_of_stream, False),)
                 if self.request_mode == _DUPLEX
                 else (pb.ProcessingResponse(request_body=pb.BodyResponse()),)
             )
@@ -297,9 +207,9 @@ class RequestStream:
             return self._reject(500, "Internal", "internal error")
         self.routed = routed
         dest = ",".join(routed.decision.endpoints)
-        metadata = _lb_metadata(dest)
+        metadata = lb_metadata(dest)
         new_body = routed.body
-        common = _destination_mutation(dest, None if new_body is None else len(new_body))
+        common = destination_mutation(dest, None if new_body is None else len(new_body))
         if header_phase:
             return (
                 pb.ProcessingResponse(
@@ -325,10 +235,10 @@ class RequestStream:
         self._drop_body()
         n = len(data)
         if n == 0:
-            out.append(_echo(b"", body_eos, False))
+            out.append(echo(b"", body_eos, False))
         for start in range(0, n, MAX_CHUNK):
             end = start + MAX_CHUNK
-            out.append(_echo(data[start:end], body_eos and end >= n, False))
+            out.append(echo(data[start:end], body_eos and end >= n, False))
         return out
 
     def _drop_body(self) -> None:
@@ -377,7 +287,7 @@ class RequestStream:
                 self.director.bookkeeping_failed("the decision header")
             else:
                 explain = pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(set_headers=[_header(DECISION_HEADER, value)])
+                    header_mutation=pb.HeaderMutation(set_headers=[header(DECISION_HEADER, value)])
                 )
                 return (pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=explain)),)
         return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
@@ -396,7 +306,7 @@ class RequestStream:
                 self._finish(self._end_cause())
         self.done = self.done or body.end_of_stream  # no trailers follow a body's end: end the stream
         if self.response_mode == _DUPLEX:
-            return (_echo(body.body, body.end_of_stream, True),)
+            return (echo(body.body, body.end_of_stream, True),)
         return (pb.ProcessingResponse(response_body=pb.BodyResponse()),)
 
     def _end_cause(self) -> str:

@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from epp.config import StaticEndpoint, parse_config
 from epp.server.app import EppServer, ServerSettings
-from epp.server.ext_proc import DESTINATION_HEADER
+from epp.server.ext_proc_wire import DESTINATION_HEADER
 from epp.testing.wait import eventually
 
 T = TypeVar("T")

@@ -14,7 +14,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.config import StaticEndpoint, parse_config
 from epp.server.app import EppServer, ServerSettings
-from epp.server.ext_proc import MAX_CHUNK, RequestStream
+from epp.server.ext_proc import RequestStream
+from epp.server.ext_proc_wire import MAX_CHUNK
 
 from .grpc_rig import BUFFERED, CONFIG, ENDPOINTS, ServerThread, body, destination, echoed, headers
 

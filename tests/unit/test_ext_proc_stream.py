@@ -17,7 +17,8 @@ from epp.datastore import Datastore
 from epp.scheduling.builtin import default_registry
 from epp.server.body_budget import BodyBudget
 from epp.server.director import Director
-from epp.server.ext_proc import MAX_CHUNK, RequestStream, subset_hint
+from epp.server.ext_proc import RequestStream
+from epp.server.ext_proc_wire import MAX_CHUNK, subset_hint
 from epp.server.metrics import EppMetrics
 from epp.tenancy import TenantSalter
 from epp.testing.fakes import FakeClock

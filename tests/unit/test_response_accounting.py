@@ -15,7 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from epp.config import parse_config
 from epp.server.decisions import DecisionLog
 from epp.server.director import FAILURE_LOG_EVERY_S, Director
-from epp.server.ext_proc import SERVED_KEY, RequestStream
+from epp.server.ext_proc import RequestStream
+from epp.server.ext_proc_wire import SERVED_KEY
 from epp.testing.fakes import FakeClock
 
 from .test_ext_proc_stream import BODY, body, director, headers, response_headers
