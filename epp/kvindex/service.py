@@ -39,6 +39,9 @@ class KvIndexService:
     block_size: int
     # model -> requests that could not be keyed, by reason ("no_tokenizer", "tokenizer_error")
     unkeyed: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # the plugins that read prompts' tokens (they register when built): without any, the server does
+    # not tokenize ahead of scheduling
+    prompt_readers: set[str] = field(default_factory=set)
     # scorer plugin name -> its speculative entries (`speculativeTtl`), kept apart from the exact index;
     # listed here so that /debug/index and the metrics report their size
     speculative: dict[str, SpeculativeBlocks] = field(default_factory=dict)
@@ -67,7 +70,7 @@ class KvIndexService:
         if self.tokenizers.get(request.model) is None:
             return 0
         chars = self._prompt_chars(request)
-        return chars if chars <= self.max_keyed_prompt_chars else 0
+        return max(chars, 1) if chars <= self.max_keyed_prompt_chars else 0  # ("" is tokenized too)
 
     def tokenize(self, request: InferenceRequest) -> PromptTokens:
         """The prompt's token ids, or why they cannot be known; counts nothing (the caller does), so a

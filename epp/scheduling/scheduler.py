@@ -43,12 +43,17 @@ class Scheduler:
         self.timer = timer
         self.admission = admission or Admission()
 
-    def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> ScheduleResult:
+    def precheck(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+        """The refusals that need no plugin (no candidates; a sheddable request while the pool is
+        saturated): raises what `schedule` would. The server asks before tokenizing a prompt ahead."""
         if not candidates:
             raise NoEndpointsError("no endpoints available")
-        now = self.clock.now()
-        if request.sheddable and self.saturation.pool_saturated(candidates, now):
+        if request.sheddable and self.saturation.pool_saturated(candidates, self.clock.now()):
             raise PoolSaturatedError("pool is saturated and the request is sheddable")
+
+    def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> ScheduleResult:
+        self.precheck(request, candidates)
+        now = self.clock.now()
         profile = self.profiles[self.handler.select(request, self._names)]
         state = CycleState(now=now, rng=self.rng)
         timings: list[PluginTiming] = []

@@ -131,8 +131,8 @@ class EppServer:
             services={SERVICE_KEY: self.kv, COST_KEY: self.cost},
         )
         self.decisions = DecisionLog(config.explain.keep)
-        # long prompts are tokenized off the event loop (only models with a tokenizer are tokenized)
-        self.tokenizing = PromptTokenizing(self.kv) if config.tokenizers else None
+        # long prompts are tokenized off the event loop (when there is a tokenizer and a plugin reads tokens)
+        self.tokenizing = PromptTokenizing(self.kv) if config.tokenizers and self.kv.prompt_readers else None
         tenancy = None
         if config.tenancy is not None:
             t = config.tenancy

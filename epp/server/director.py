@@ -7,6 +7,7 @@ the decision's endpoints (it fell back), else the primary.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Collection, Mapping
@@ -24,7 +25,7 @@ from epp.server.decisions import DecisionLog
 from epp.server.metrics import EppMetrics
 from epp.server.tokenizing import PromptTokenizing
 from epp.tenancy import TenantSalter
-from epp.types import NO_WORK, Decision, InferenceRequest, TtftEstimate
+from epp.types import NO_WORK, Decision, Endpoint, InferenceRequest, TtftEstimate
 from epp.usage import Usage
 
 log = logging.getLogger("epp.director")
@@ -141,15 +142,12 @@ class Director:
     ) -> RoutedRequest:
         """The second half of `route`: schedule and account. Raises SchedulingError."""
         request, new_body = parsed.request, parsed.new_body
-        if subset is not None:
-            candidates = self.datastore.candidates(subset)
-            if not candidates:
-                raise NoEndpointsError("no eligible endpoint in the gateway's subset hint")
-        else:
-            candidates = self.datastore.candidates()
+        candidates = self._candidates(subset)
         t0 = self.clock.now()
         result = self.scheduler.schedule(request, candidates)
         t1 = self.clock.now()
+        if request.tokens is not None:  # used: not kept for the response's lifetime
+            request = dataclasses.replace(request, tokens=None)
         m = self.metrics
         m.scheduler_duration.observe(t1 - t0)
         for point, ptype, pname, seconds in result.timings:
@@ -166,6 +164,19 @@ class Director:
         if self.decisions is not None and self.decisions.keep:
             self.decisions.add(t1, request, decision, self._calibration_used(request.model, decision))
         return RoutedRequest(request, decision, ticket, t1, body=new_body, observable=observable)
+
+    def precheck(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> None:
+        """Raise the SchedulingError that `route_parsed` would raise before any plugin runs (no endpoint,
+        a sheddable request while the pool is saturated): checked before a prompt is tokenized ahead."""
+        self.scheduler.precheck(parsed.request, self._candidates(subset))
+
+    def _candidates(self, subset: Collection[str] | None) -> list[Endpoint]:
+        if subset is None:
+            return self.datastore.candidates()
+        candidates = self.datastore.candidates(subset)
+        if not candidates:
+            raise NoEndpointsError("no eligible endpoint in the gateway's subset hint")
+        return candidates
 
     def reject(self, status: int, code: str, model: str = "") -> None:
         self.metrics.rejections(str(status), code).inc()

@@ -171,10 +171,17 @@ class RequestStream:
             log.exception("internal error while routing")
             return self._reject(500, "Internal", "internal error")
         tokenizing = self.director.tokenizing
-        if tokenizing is not None and tokenizing.wanted(parsed.request):
-            # a long prompt: tokenized in the worker thread, then routed (`resume`, from `Process`)
-            self.pending = _Pending(parsed, body, header_phase, body_eos, trailers)
-            return ()
+        if tokenizing is not None:
+            try:
+                self.director.precheck(parsed, self.subset)  # refused anyway: not worth tokenizing
+            except SchedulingError as err:
+                return self._refuse(err)
+            now = tokenizing.plan(parsed.request)
+            if now is None:
+                # a long prompt: tokenized in the worker thread, then routed (`resume`, from `Process`)
+                self.pending = _Pending(parsed, body, header_phase, body_eos, trailers)
+                return ()
+            parsed = ParsedRequest(now, parsed.new_body)
         return self._answer(parsed, body, header_phase, body_eos)
 
     async def resume(self) -> Iterable[pb.ProcessingResponse]:
@@ -198,10 +205,8 @@ class RequestStream:
         try:
             streamed = self.response_mode in (_DUPLEX, _STREAMED)
             routed = self.director.route_parsed(parsed, self.subset, streamed)
-        except SloExceededError as err:
-            return self._reject(err.status, err.code, str(err), err.retry_after_s)
         except SchedulingError as err:
-            return self._reject(err.status, err.code, str(err))
+            return self._refuse(err)
         except Exception:
             log.exception("internal error while routing")
             return self._reject(500, "Internal", "internal error")
@@ -240,6 +245,10 @@ class RequestStream:
             end = start + MAX_CHUNK
             out.append(echo(data[start:end], body_eos and end >= n, False))
         return out
+
+    def _refuse(self, err: SchedulingError) -> Iterable[pb.ProcessingResponse]:
+        retry_after = err.retry_after_s if isinstance(err, SloExceededError) else None
+        return self._reject(err.status, err.code, str(err), retry_after)
 
     def _drop_body(self) -> None:
         self.body = bytearray()

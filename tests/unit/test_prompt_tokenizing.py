@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from epp.config import build_scheduler, parse_config
+from epp.config import DEFAULT_CONFIG_YAML, EppConfig, build_scheduler, parse_config
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
@@ -23,11 +23,12 @@ from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import PromptTokenizer, TokenizerRegistry
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
+from epp.server.app import EppServer, ServerSettings
 from epp.server.body_budget import BodyBudget
-from epp.server.director import Director
+from epp.server.director import Director, ParsedRequest
 from epp.server.ext_proc import RequestStream
 from epp.server.metrics import EppMetrics
-from epp.server.tokenizing import OFFLOAD_CHARS, PromptTokenizing
+from epp.server.tokenizing import BUSY, OFFLOAD_CHARS, PromptTokenizing
 from epp.testing.fakes import FakeClock
 from epp.testing.tokenizer import build_tiny_tokenizer, generated_text
 from epp.types import ApiKind, ChatOptions, InferenceRequest, MetricsSnapshot, PromptTokens
@@ -62,19 +63,23 @@ def text(chars: int, model: str = "m") -> InferenceRequest:
     return InferenceRequest("r", ApiKind.COMPLETIONS, model, prompt=generated_text(chars))
 
 
+def to_worker(t: PromptTokenizing, request: InferenceRequest) -> bool:
+    return t.plan(request) is None
+
+
 def test_long_text_and_chat_prompts_go_to_the_worker_short_ones_and_token_ids_do_not(tok_dir: Path) -> None:
     t = PromptTokenizing(service(tok_dir, max_chars=200_000))
     try:
-        assert t.wanted(text(OFFLOAD_CHARS + 10))
-        assert t.wanted(chat(generated_text(OFFLOAD_CHARS)))
-        assert not t.wanted(text(OFFLOAD_CHARS // 4))
-        assert not t.wanted(chat("short"))
+        assert to_worker(t, text(OFFLOAD_CHARS + 10))
+        assert to_worker(t, chat(generated_text(OFFLOAD_CHARS)))
+        assert not to_worker(t, text(OFFLOAD_CHARS // 4))
+        assert not to_worker(t, chat("short"))
         ids = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt=list(range(OFFLOAD_CHARS)))
-        assert not t.wanted(ids)
-        assert not t.wanted(text(OFFLOAD_CHARS + 10, model="no-tokenizer"))
-        assert not t.wanted(text(200_001))  # over the keying limit: not tokenized at all
+        assert not to_worker(t, ids)
+        assert not to_worker(t, text(OFFLOAD_CHARS + 10, model="no-tokenizer"))
+        assert not to_worker(t, text(200_001))  # over the keying limit: not tokenized at all
         known = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt="x" * 20_000, tokens=PromptTokens([1]))
-        assert not t.wanted(known)
+        assert not to_worker(t, known)
     finally:
         t.close()
 
@@ -135,7 +140,9 @@ async def test_the_loop_runs_while_the_worker_tokenizes_and_short_prompts_queue_
         long = asyncio.ensure_future(t.tokenize(chat(generated_text(2 * OFFLOAD_CHARS))))
         await asyncio.sleep(0)
         assert t.busy
-        assert t.wanted(chat("short"))  # the worker has work: short prompts go behind it
+        assert to_worker(t, chat("short"))  # the worker has work: short prompts go behind it
+        empty = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt="")
+        assert to_worker(t, empty)  # ("" goes through the tokenizer, and its lock, too)
         short = asyncio.ensure_future(t.tokenize(chat("short")))
         # The loop opens the gate: it could not if the tokenizing held it.
         asyncio.get_running_loop().call_soon(gate.open.set)
@@ -145,7 +152,7 @@ async def test_the_loop_runs_while_the_worker_tokenizes_and_short_prompts_queue_
         assert all(name.startswith("epp-tokenize") for name in gate.threads)
         assert threading.current_thread().name not in gate.threads
         await asyncio.sleep(0)
-        assert not t.busy and not t.wanted(chat("short"))
+        assert not t.busy and not to_worker(t, chat("short"))
     finally:
         t.close()
 
@@ -162,7 +169,7 @@ async def test_a_stream_gone_while_its_prompt_is_tokenized_keeps_the_worker_busy
         with pytest.raises(asyncio.CancelledError):
             await job
         # The thread still works on it: the loop must not tokenize beside it.
-        assert t.busy and t.wanted(chat("short"))
+        assert t.busy and to_worker(t, chat("short"))
         gate.open.set()
         for _ in range(200):
             await asyncio.sleep(0.01)
@@ -173,7 +180,9 @@ async def test_a_stream_gone_while_its_prompt_is_tokenized_keeps_the_worker_busy
         t.close()
 
 
-def _director(tok_dir: Path, tokenizing: bool, svc: Any = None) -> tuple[Director, KvIndexService]:
+def _director(
+    tok_dir: Path, tokenizing: bool, svc: Any = None, worker_args: dict[str, int] | None = None
+) -> tuple[Director, KvIndexService]:
     clock = FakeClock()
     ds = Datastore(clock)
     for pod in PODS:
@@ -198,8 +207,8 @@ schedulingProfiles:
     sched = build_scheduler(
         config, default_registry(), clock, random.Random(0), services={SERVICE_KEY: kv, COST_KEY: cost}
     )
-    worker = PromptTokenizing(svc or kv) if tokenizing else None
-    return Director(ds, sched, EppMetrics(), clock, cost=cost, tokenizing=worker), kv
+    worker = PromptTokenizing(svc or kv, **(worker_args or {})) if tokenizing else None
+    return Director(ds, sched, EppMetrics(), clock, {"batch": -1}, cost=cost, tokenizing=worker), kv
 
 
 async def drive(stream: RequestStream, msgs: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
@@ -292,7 +301,7 @@ async def test_a_prompt_the_worker_cannot_tokenize_is_counted_once_by_the_scorer
             "r", ApiKind.CHAT_COMPLETIONS, "m", messages=msgs,
             chat=ChatOptions(continue_final_message=True), body_bytes=OFFLOAD_CHARS + 50,
         )  # fmt: skip
-        assert t.wanted(bad)
+        assert to_worker(t, bad)
         done = await t.tokenize(bad)
         assert done.tokens == PromptTokens(None, "tokenizer_error")
         assert svc.unkeyed == {}  # counted when a scorer reads them, on the loop
@@ -300,3 +309,165 @@ async def test_a_prompt_the_worker_cannot_tokenize_is_counted_once_by_the_scorer
         assert svc.unkeyed == {("m", "tokenizer_error"): 1}
     finally:
         t.close()
+
+
+def completions_headers(*extra: tuple[str, str]) -> pb.ProcessingRequest:
+    msg = headers(path=b"/v1/completions")
+    for key, value in extra:
+        msg.request_headers.headers.headers.add(key=key, raw_value=value.encode())
+    return msg
+
+
+async def test_requests_refused_anyway_are_refused_before_their_prompt_is_tokenized(tok_dir: Path) -> None:
+    d, _ = _director(tok_dir, True)
+    assert d.tokenizing is not None
+    for pod in PODS:  # every pod saturated: a sheddable request is refused (429)
+        d.datastore.record_metrics(pod, MetricsSnapshot(observed_at=d.clock.now(), waiting=100))
+    payload = json.dumps({"model": "m", "prompt": generated_text(4 * OFFLOAD_CHARS)}).encode()
+    stream = RequestStream(d, 1 << 24)
+    out = await drive(
+        stream, [completions_headers(("x-gateway-inference-objective", "batch")), body(payload, True)]
+    )
+    assert [r.immediate_response.status.code for r in out] == [429]
+    subset = headers(path=b"/v1/completions", subset=["10.9.9.9:80"])  # no such endpoint: 503
+    out = await drive(RequestStream(d, 1 << 24), [subset, body(payload, True)])
+    assert [r.immediate_response.status.code for r in out] == [503]
+    assert d.tokenizing.offloaded == 0 and not d.tokenizing.busy
+    # The same prompt, not sheddable, is tokenized in the worker and routed.
+    stream = RequestStream(d, 1 << 24)
+    await drive(stream, [completions_headers(), body(payload, True)])
+    assert stream.routed is not None and d.tokenizing.offloaded == 1
+    d.tokenizing.close()
+
+
+async def test_past_the_queue_limit_a_prompt_is_routed_at_once_without_cache_credit(tok_dir: Path) -> None:
+    gate = Gate(service(tok_dir))
+    limit = 3 * OFFLOAD_CHARS
+    d, kv = _director(tok_dir, True, svc=gate, worker_args={"max_queued_chars": limit})
+    t = d.tokenizing
+    assert t is not None
+    first = asyncio.ensure_future(t.tokenize(text(2 * OFFLOAD_CHARS)))
+    await asyncio.sleep(0)
+    assert to_worker(t, text(OFFLOAD_CHARS // 2))  # fits in the queue
+    over = t.plan(text(2 * OFFLOAD_CHARS))  # would pass the limit
+    assert over is not None and over.tokens == BUSY
+    # Routed by load, at once, and counted as unkeyed once.
+    payload = json.dumps({"model": "m", "prompt": generated_text(2 * OFFLOAD_CHARS)}).encode()
+    stream = RequestStream(d, 1 << 24)
+    out = await drive(stream, [completions_headers(), body(payload, True)])
+    assert stream.routed is not None and len(out) >= 2
+    assert kv.unkeyed == {("m", "tokenizer_busy"): 1}
+    gate.open.set()
+    await first
+    t.close()
+
+
+async def test_the_scorers_use_the_workers_ids_and_the_routed_request_does_not_keep_them(
+    tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, kv = _director(tok_dir, True)
+    assert d.tokenizing is not None
+    messages = [
+        {"role": "system", "content": generated_text(2 * OFFLOAD_CHARS)},
+        {"role": "user", "content": "?"},
+    ]
+    ids = PromptTokenizer.from_dir(tok_dir).encode_chat(messages)
+    n = len(ids) // BS
+    kv.index.store(PODS[1], list(range(1, n + 1)), None, ids[: n * BS], BS, "gpu", root_key("m", None))
+    kv.freshness.message(PODS[1], 0.0)
+    parsed = d.parse(
+        {":path": "/v1/chat/completions"}, json.dumps({"model": "m", "messages": messages}).encode()
+    )
+    request = await d.tokenizing.tokenize(parsed.request)
+
+    def on_the_loop(*args: object, **kwargs: object) -> None:
+        raise AssertionError("tokenized again on the event loop")
+
+    monkeypatch.setattr(PromptTokenizer, "encode_chat", on_the_loop)
+    monkeypatch.setattr(PromptTokenizer, "encode_text", on_the_loop)
+    routed = d.route_parsed(ParsedRequest(request, None))
+    assert routed.decision.primary == PODS[1]
+    assert routed.request.tokens is None and routed.request.messages == messages
+    d.tokenizing.close()
+
+
+class Spy:
+    """Forwards to a `tokenizers.Tokenizer`, recording which methods were called."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if callable(attr):
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+
+            return call
+        return attr
+
+
+def test_long_texts_are_encoded_by_the_call_that_lets_go_of_the_gil(tok_dir: Path) -> None:
+    tok = PromptTokenizer.from_dir(tok_dir)
+    spy = Spy(tok._tok)
+    tok._tok = spy  # type: ignore[assignment]
+    s = generated_text(40_000, seed=3)
+    assert (
+        tok.encode_uncached(s, add_special_tokens=False) == spy.inner.encode(s, add_special_tokens=False).ids
+    )
+    spy.calls.clear()
+    got = tok.encode_text(s, add_special_tokens=False)
+    assert got.tolist() == spy.inner.encode(s, add_special_tokens=False).ids
+    assert "encode_batch_fast" in spy.calls and "encode" not in spy.calls, spy.calls
+
+
+def test_one_tokenizer_used_from_several_threads_gives_each_the_ids_of_one_call(tok_dir: Path) -> None:
+    tok = PromptTokenizer.from_dir(tok_dir, chunk_chars=256)
+    shared = generated_text(30_000, seed=9)
+    texts = [shared + generated_text(3_000, seed=100 + i) for i in range(16)]
+    expected = [tok.encode_uncached(x, add_special_tokens=False) for x in texts]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(3):
+                got[i] = tok.encode_text(texts[i], add_special_tokens=False).tolist()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(texts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert [got[i] for i in range(len(texts))] == expected
+    assert tok.cache_stats()["unstable"] == 0
+
+
+def config(scorer: str, tokenizers: str = "") -> EppConfig:
+    text = (
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+        f"plugins: [{{type: {scorer}}}, {{type: max-score-picker}}]\n"
+        "schedulingProfiles: [{name: d, plugins: "
+        f"[{{pluginRef: {scorer}}}, {{pluginRef: max-score-picker}}]}}]\n"
+    )
+    return parse_config(text + tokenizers, "test.yaml")
+
+
+def test_the_server_tokenizes_ahead_only_when_a_plugin_reads_prompts(tok_dir: Path) -> None:
+    settings = ServerSettings.loopback(refresh_metrics_interval=0)
+    tokenizers = f"tokenizers: {{m: '{tok_dir}'}}\n"
+    plain = EppServer(settings, config("queue-scorer", tokenizers))
+    assert plain.kv.prompt_readers == set() and plain.tokenizing is None
+    reads = EppServer(settings, config("precise-prefix-cache-scorer", tokenizers))
+    assert reads.kv.prompt_readers == {"precise-prefix-cache-scorer"} and reads.tokenizing is not None
+    reads.tokenizing.close()
+    assert EppServer(settings, config("precise-prefix-cache-scorer")).tokenizing is None  # no tokenizer
+    default = EppServer(settings, parse_config(DEFAULT_CONFIG_YAML + tokenizers, "default.yaml"))
+    assert default.kv.prompt_readers == {"ttft-scorer"} and default.tokenizing is not None
+    default.tokenizing.close()

@@ -94,6 +94,7 @@ def _build(name: str, params: DynamoParams, handle: PluginHandle) -> DynamoKvSco
     if not isinstance(service, KvIndexService):
         raise PluginParamsError("type", "needs the KV index (this EPP was built without one)")
     weights = (params.device_weight, params.host_weight, params.disk_weight)
+    service.prompt_readers.add(name)
     return DynamoKvScorer(name, service, params.prefill_load_scale, weights)
 
 

@@ -90,6 +90,7 @@ def _build(name: str, params: PrecisePrefixParams, handle: PluginHandle) -> Prec
         speculative_blocks(params.speculative_ttl, name, None)  # (a bad value is named first)
         raise PluginParamsError("type", "needs the KV index (this EPP was built without one)")
     speculative = speculative_blocks(params.speculative_ttl, name, service)
+    service.prompt_readers.add(name)
     weights = DEFAULT_TIER_WEIGHTS | {k.lower(): float(v) for k, v in params.tier_weights.items()}
     return PrecisePrefixCacheScorer(name, service, weights, params.unknown_tier_weight, speculative)
 

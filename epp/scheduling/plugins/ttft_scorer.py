@@ -205,6 +205,8 @@ def _build(name: str, params: TtftParams, handle: PluginHandle) -> TtftScorer:
     if kv is not None and not isinstance(kv, KvIndexService):
         raise PluginParamsError("type", "the KV index service is not a KvIndexService")
     speculative = speculative_blocks(params.speculative_ttl, name, kv)  # (checked even without the index)
+    if kv is not None:
+        kv.prompt_readers.add(name)
     return TtftScorer(
         name,
         cost,
