@@ -18,16 +18,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-
-def _echo(chunk: bytes, eos: bool, response: bool) -> pb.ProcessingResponse:
-    body = pb.BodyResponse(
-        response=pb.CommonResponse(
-            body_mutation=pb.BodyMutation(
-                streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=eos)
-            )
-        )
-    )
-    return pb.ProcessingResponse(response_body=body) if response else pb.ProcessingResponse(request_body=body)
+from epp.server.ext_proc_wire import echo  # the same answer shape as the EPP's
 
 
 class Trivial(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -56,13 +47,13 @@ class Trivial(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 body.append(msg.request_body.body)
                 if msg.request_body.end_of_stream:
                     yield self.headers_response
-                    yield _echo(b"".join(body), True, False)
+                    yield echo(b"".join(body), True, False)
             elif which == "request_trailers":
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             elif which == "response_headers":
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             elif which == "response_body":
-                yield _echo(msg.response_body.body, msg.response_body.end_of_stream, True)
+                yield echo(msg.response_body.body, msg.response_body.end_of_stream, True)
             elif which == "response_trailers":
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
