@@ -133,6 +133,7 @@ class EppServer:
         self.decisions = DecisionLog(config.explain.keep)
         # long prompts are tokenized off the event loop (when there is a tokenizer and a plugin reads tokens)
         self.tokenizing = PromptTokenizing(self.kv) if config.tokenizers and self.kv.prompt_readers else None
+        self.metrics.attach_tokenizing(self.tokenizing)
         tenancy = None
         if config.tenancy is not None:
             t = config.tenancy

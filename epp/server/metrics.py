@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from epp.clock import Clock
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
+from epp.server.tokenizing import PromptTokenizing
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
@@ -101,6 +102,31 @@ class _PoolCollector(Collector):
             healthy.add_metric([r.id], 1.0 if r.healthy else 0.0)
             age.add_metric([r.id], now - r.metrics.observed_at if r.metrics else -1.0)
         yield from (kv, queue, pods, in_flight, in_tokens, healthy, age)
+
+
+class _TokenizingCollector(Collector):
+    """The worker thread that tokenizes long prompts (`tokenizing.py`), read at scrape time; zeros when
+    the server tokenizes nothing ahead."""
+
+    def __init__(self, tokenizing: PromptTokenizing | None) -> None:
+        self.tokenizing = tokenizing
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        t = self.tokenizing
+        done = CounterMetricFamily(
+            "epp_prompts_tokenized_in_worker",
+            "Prompts tokenized in the worker thread before scheduling (16 KiB or more, and any while it "
+            "had work)",
+        )
+        done.add_metric([], t.offloaded if t is not None else 0)
+        queued = GaugeMetricFamily(
+            "epp_tokenizer_queued_chars",
+            "Characters of prompts waiting for, or in, the tokenizing worker thread (past 2 MiB, requests "
+            "are routed without cache credit)",
+        )
+        queued.add_metric([], t.queued_chars if t is not None else 0)
+        yield done
+        yield queued
 
 
 class _CostModelCollector(Collector):
@@ -268,6 +294,9 @@ class EppMetrics:
 
     def attach_cost_model(self, cost: CostModel) -> None:
         self.registry.register(_CostModelCollector(cost))
+
+    def attach_tokenizing(self, tokenizing: PromptTokenizing | None) -> None:
+        self.registry.register(_TokenizingCollector(tokenizing))
 
     # ScrapeObserver
     def on_scrape(self, endpoint_id: str, ok: bool, error_kind: str | None, seconds: float) -> None:

@@ -56,6 +56,10 @@ class PromptTokenizing:
     def busy(self) -> bool:
         return self._jobs > 0
 
+    @property
+    def queued_chars(self) -> int:
+        return self._queued_chars
+
     def plan(self, request: InferenceRequest) -> InferenceRequest | None:
         """None when `request`'s prompt should be tokenized in the worker first (`tokenize`): a long text
         or chat prompt with a tokenizer, or any prompt to tokenize while the worker has work. Else the

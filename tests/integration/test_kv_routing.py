@@ -126,3 +126,7 @@ async def test_a_long_chat_prompt_is_tokenized_off_the_event_loop_and_routed_to_
         short = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
         await post(c, "/v1/chat/completions", short)
         assert epp.tokenizing.offloaded == 3
+        async with c["session"].get(f"http://127.0.0.1:{epp.metrics_port}/metrics") as r:
+            text = await r.text()
+        assert "epp_prompts_tokenized_in_worker_total 3.0" in text
+        assert "epp_tokenizer_queued_chars 0.0" in text
