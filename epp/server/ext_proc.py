@@ -172,13 +172,13 @@ class RequestStream:
             return self._reject(500, "Internal", "internal error")
         tokenizing = self.director.tokenizing
         if tokenizing is not None:
-            try:
-                self.director.precheck(parsed, self.subset)  # refused anyway: not worth tokenizing
-            except SchedulingError as err:
-                return self._refuse(err)
             now = tokenizing.plan(parsed.request)
             if now is None:
                 # a long prompt: tokenized in the worker thread, then routed (`resume`, from `Process`)
+                try:
+                    self.director.precheck(parsed, self.subset)  # refused anyway: not worth tokenizing
+                except SchedulingError as err:
+                    return self._refuse(err)
                 self.pending = _Pending(parsed, body, header_phase, body_eos, trailers)
                 return ()
             parsed = ParsedRequest(now, parsed.new_body)
