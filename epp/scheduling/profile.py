@@ -55,6 +55,14 @@ class SchedulerProfile:
         for plugin in self.post_pick:
             plugin.picked(state, request, endpoint)
 
+    def filter(self, state: CycleState, request: InferenceRequest, endpoints: Sequence[Endpoint]) -> None:
+        """Run the filters only: raises AllFilteredError as `run` would."""
+        current: Sequence[Endpoint] = endpoints
+        for nf in self.filters:
+            current = nf.filter.filter(state, request, current)
+            if not current:
+                raise AllFilteredError(f"no endpoint passed filter {nf.filter.name!r}")
+
     def run(
         self,
         state: CycleState,

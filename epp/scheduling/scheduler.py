@@ -43,16 +43,24 @@ class Scheduler:
         self.timer = timer
         self.admission = admission or Admission()
 
-    def precheck(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
-        """The refusals that need no plugin (no candidates; a sheddable request while the pool is
-        saturated): raises what `schedule` would. The server asks before tokenizing a prompt ahead."""
+    def precheck(
+        self, request: InferenceRequest, candidates: Sequence[Endpoint], filters: bool = False
+    ) -> None:
+        """The refusals that come before any scorer: no candidates; a sheddable request while the pool is
+        saturated; with `filters`, and a single profile, its filters leaving none (they run on a scratch
+        cycle state with their own random source: the scheduler's is not drawn from). Raises what
+        `schedule` would. The server asks before tokenizing a prompt ahead."""
         if not candidates:
             raise NoEndpointsError("no endpoints available")
-        if request.sheddable and self.saturation.pool_saturated(candidates, self.clock.now()):
+        now = self.clock.now()
+        if request.sheddable and self.saturation.pool_saturated(candidates, now):
             raise PoolSaturatedError("pool is saturated and the request is sheddable")
+        if filters and len(self.profiles) == 1:
+            (profile,) = self.profiles.values()
+            profile.filter(CycleState(now=now, rng=random.Random(0)), request, candidates)
 
     def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> ScheduleResult:
-        self.precheck(request, candidates)
+        self.precheck(request, candidates)  # (the filters run in the profile)
         now = self.clock.now()
         profile = self.profiles[self.handler.select(request, self._names)]
         state = CycleState(now=now, rng=self.rng)

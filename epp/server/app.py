@@ -131,7 +131,10 @@ class EppServer:
             services={SERVICE_KEY: self.kv, COST_KEY: self.cost},
         )
         self.decisions = DecisionLog(config.explain.keep)
-        # long prompts are tokenized off the event loop (when there is a tokenizer and a plugin reads tokens)
+        # Long prompts are tokenized off the event loop when there is a tokenizer and a plugin that a
+        # profile uses reads prompts' tokens (plugins register when built, used or not).
+        used = {ref.plugin_ref for p in config.doc.scheduling_profiles for ref in p.plugins}
+        self.kv.prompt_readers &= used
         self.tokenizing = PromptTokenizing(self.kv) if config.tokenizers and self.kv.prompt_readers else None
         self.metrics.attach_tokenizing(self.tokenizing)
         tenancy = None

@@ -166,9 +166,10 @@ class Director:
         return RoutedRequest(request, decision, ticket, t1, body=new_body, observable=observable)
 
     def precheck(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> None:
-        """Raise the SchedulingError that `route_parsed` would raise before any plugin runs (no endpoint,
-        a sheddable request while the pool is saturated): checked before a prompt is tokenized ahead."""
-        self.scheduler.precheck(parsed.request, self._candidates(subset))
+        """Raise the SchedulingError that `route_parsed` would raise before any scorer runs (no endpoint,
+        a sheddable request while the pool is saturated, the filters leaving none): checked before a
+        prompt is tokenized ahead."""
+        self.scheduler.precheck(parsed.request, self._candidates(subset), filters=True)
 
     def _candidates(self, subset: Collection[str] | None) -> list[Endpoint]:
         if subset is None:

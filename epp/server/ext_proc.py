@@ -179,6 +179,9 @@ class RequestStream:
                     self.director.precheck(parsed, self.subset)  # refused anyway: not worth tokenizing
                 except SchedulingError as err:
                     return self._refuse(err)
+                except Exception:
+                    log.exception("internal error while routing")
+                    return self._reject(500, "Internal", "internal error")
                 self.pending = _Pending(parsed, body, header_phase, body_eos, trailers)
                 return ()
             parsed = ParsedRequest(now, parsed.new_body)

@@ -8,9 +8,9 @@ and its ids reach the scorers with the request (`InferenceRequest.tokens`). Shor
 tokenized by the scorers on the loop as before (a thread hop costs more than they do), except while
 the worker has work: then they queue behind it, so the loop never waits for the tokenizer's lock and
 requests are tokenized in the order they came. The queue is bounded (`MAX_QUEUED_CHARS`); a request that
-will be refused anyway (no endpoint, a sheddable one while the pool is saturated) is refused before
-its prompt is tokenized (`Director.precheck`); and the server tokenizes ahead only when a configured
-plugin reads prompts' tokens (`KvIndexService.prompt_readers`).
+will be refused anyway (no endpoint, a sheddable one while the pool is saturated, the filters leaving
+none) is refused before its prompt is tokenized (`Director.precheck`); and the server tokenizes ahead
+only when a plugin that a profile uses reads prompts' tokens (`KvIndexService.prompt_readers`).
 
 One thread: the prefix cache is shared by all of a model's prompts and takes one caller at a time, and
 the work is bounded by `index.maxKeyedPromptChars` per request.
@@ -50,7 +50,7 @@ class PromptTokenizing:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-tokenize")
         self._jobs = 0  # submitted and not finished (counted on the loop)
         self._queued_chars = 0  # their prompts' characters
-        self.offloaded = 0  # requests tokenized in the worker so far
+        self.offloaded = 0  # prompts the worker tokenized (or tried to) so far
 
     @property
     def busy(self) -> bool:
@@ -83,14 +83,14 @@ class PromptTokenizing:
         self._queued_chars += chars
         # Counted down when the job ends in the worker, not when the awaiting stream goes away: until
         # then, prompts that the loop would tokenize itself queue behind it instead.
-        job.add_done_callback(lambda _: _call_soon(loop, lambda: self._done(chars)))
-        self.offloaded += 1
+        job.add_done_callback(lambda f: _call_soon(loop, lambda: self._done(chars, not f.cancelled())))
         tokens = await asyncio.wrap_future(job)
         return dataclasses.replace(request, tokens=tokens)
 
-    def _done(self, chars: int) -> None:
+    def _done(self, chars: int, ran: bool) -> None:
         self._jobs -= 1
         self._queued_chars -= chars
+        self.offloaded += ran
 
     def close(self) -> None:
         """Queued jobs are dropped; a job running finishes in the background."""

@@ -183,6 +183,7 @@ async def test_a_stream_gone_while_its_prompt_is_tokenized_keeps_the_worker_busy
 def _director(
     tok_dir: Path, tokenizing: bool, svc: Any = None, worker_args: dict[str, int] | None = None
 ) -> tuple[Director, KvIndexService]:
+    """Three pods, a precise prefix scorer behind the metrics-staleness filter (2 s)."""
     clock = FakeClock()
     ds = Datastore(clock)
     for pod in PODS:
@@ -195,11 +196,13 @@ def _director(
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+- type: metrics-staleness-filter
 - type: precise-prefix-cache-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
   plugins:
+  - pluginRef: metrics-staleness-filter
   - pluginRef: precise-prefix-cache-scorer
   - pluginRef: max-score-picker
 """
@@ -332,7 +335,13 @@ async def test_requests_refused_anyway_are_refused_before_their_prompt_is_tokeni
     subset = headers(path=b"/v1/completions", subset=["10.9.9.9:80"])  # no such endpoint: 503
     out = await drive(RequestStream(d, 1 << 24), [subset, body(payload, True)])
     assert [r.immediate_response.status.code for r in out] == [503]
+    for pod in PODS:  # not sheddable, but every pod's metrics too old for the staleness filter: 429
+        d.datastore.record_metrics(pod, MetricsSnapshot(observed_at=d.clock.now() - 60))
+    out = await drive(RequestStream(d, 1 << 24), [completions_headers(), body(payload, True)])
+    assert [r.immediate_response.status.code for r in out] == [429]
     assert d.tokenizing.offloaded == 0 and not d.tokenizing.busy
+    for pod in PODS:
+        d.datastore.record_metrics(pod, MetricsSnapshot(observed_at=d.clock.now(), waiting=100))
     # The same prompt, not sheddable, is tokenized in the worker and routed.
     stream = RequestStream(d, 1 << 24)
     await drive(stream, [completions_headers(), body(payload, True)])
@@ -471,3 +480,54 @@ def test_the_server_tokenizes_ahead_only_when_a_plugin_reads_prompts(tok_dir: Pa
     default = EppServer(settings, parse_config(DEFAULT_CONFIG_YAML + tokenizers, "default.yaml"))
     assert default.kv.prompt_readers == {"ttft-scorer"} and default.tokenizing is not None
     default.tokenizing.close()
+
+
+async def test_an_unexpected_error_before_tokenizing_is_a_500_and_the_body_budget_comes_back(
+    tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, _ = _director(tok_dir, True)
+    assert d.tokenizing is not None
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("saturation detector blew up")
+
+    monkeypatch.setattr(d.scheduler, "precheck", broken)
+    budget = BodyBudget(1 << 24)
+    payload = json.dumps({"model": "m", "prompt": generated_text(2 * OFFLOAD_CHARS)}).encode()
+    stream = RequestStream(d, 1 << 24, budget)
+    out = await drive(stream, [completions_headers(), body(payload, True)])
+    assert [r.immediate_response.status.code for r in out] == [500]
+    assert budget.held == 0 and d.tokenizing.offloaded == 0
+    d.tokenizing.close()
+
+
+async def test_a_job_dropped_before_it_ran_is_not_counted_as_tokenized(tok_dir: Path) -> None:
+    gate = Gate(service(tok_dir))
+    t = PromptTokenizing(gate)  # type: ignore[arg-type]
+    try:
+        running = asyncio.ensure_future(t.tokenize(text(2 * OFFLOAD_CHARS)))
+        queued = asyncio.ensure_future(t.tokenize(text(2 * OFFLOAD_CHARS)))
+        await asyncio.sleep(0)
+        assert t.queued_chars > 0
+        queued.cancel()  # the client went away while its prompt waited
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        gate.open.set()
+        await running
+        await asyncio.sleep(0)
+        assert (t.offloaded, t.queued_chars, t.busy) == (1, 0, False)
+        assert len(gate.threads) == 1
+    finally:
+        t.close()
+
+
+def test_a_reader_no_profile_uses_does_not_make_the_server_tokenize_ahead(tok_dir: Path) -> None:
+    text = (
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+        "plugins: [{type: ttft-scorer}, {type: queue-scorer}, {type: max-score-picker}]\n"
+        "schedulingProfiles: [{name: d, plugins: "
+        "[{pluginRef: queue-scorer}, {pluginRef: max-score-picker}]}]\n"
+        f"tokenizers: {{m: '{tok_dir}'}}\n"
+    )
+    server = EppServer(ServerSettings.loopback(refresh_metrics_interval=0), parse_config(text, "t.yaml"))
+    assert server.kv.prompt_readers == set() and server.tokenizing is None
