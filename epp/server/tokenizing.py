@@ -18,13 +18,11 @@ the work is bounded by `index.maxKeyedPromptChars` per request.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from epp.kvindex.service import KvIndexService
+from epp.server.serial_worker import SerialWorker
 from epp.types import InferenceRequest, PromptTokens
 
 OFFLOAD_CHARS = 16 * 1024
@@ -47,18 +45,21 @@ class PromptTokenizing:
         self.service = service
         self.offload_chars = offload_chars
         self.max_queued_chars = max_queued_chars
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-tokenize")
-        self._jobs = 0  # submitted and not finished (counted on the loop)
-        self._queued_chars = 0  # their prompts' characters
-        self.offloaded = 0  # prompts the worker tokenized (or tried to) so far
+        self._worker = SerialWorker("epp-tokenize")
 
     @property
     def busy(self) -> bool:
-        return self._jobs > 0
+        return self._worker.busy
 
     @property
     def queued_chars(self) -> int:
-        return self._queued_chars
+        """Characters of the prompts submitted to the worker and not finished."""
+        return self._worker.queued
+
+    @property
+    def offloaded(self) -> int:
+        """Prompts the worker tokenized (or tried to) so far."""
+        return self._worker.completed
 
     def plan(self, request: InferenceRequest) -> InferenceRequest | None:
         """None when `request`'s prompt should be tokenized in the worker first (`tokenize`): a long text
@@ -68,35 +69,21 @@ class PromptTokenizing:
         if request.tokens is not None:
             return request
         chars = self.service.tokenizing_chars(request)
-        if chars == 0 or (chars < self.offload_chars and self._jobs == 0):
+        busy = self._worker.busy
+        if chars == 0 or (chars < self.offload_chars and not busy):
             return request
-        if self._jobs and self._queued_chars + chars > self.max_queued_chars:
+        if busy and self._worker.queued + chars > self.max_queued_chars:
             return dataclasses.replace(request, tokens=BUSY)
         return None
 
     async def tokenize(self, request: InferenceRequest) -> InferenceRequest:
-        """`request` with its prompt's ids (or why there are none) computed in the worker thread."""
-        loop = asyncio.get_running_loop()
+        """`request` with its prompt's ids (or why there are none) computed in the worker thread. The
+        job counts as the worker's work until it has ended there, even when the awaiting stream goes
+        away first: until then, prompts that the loop would tokenize itself queue behind it."""
         chars = self.service.tokenizing_chars(request)
-        job: Future[PromptTokens] = self._executor.submit(self.service.tokenize, request)
-        self._jobs += 1
-        self._queued_chars += chars
-        # Counted down when the job ends in the worker, not when the awaiting stream goes away: until
-        # then, prompts that the loop would tokenize itself queue behind it instead.
-        job.add_done_callback(lambda f: _call_soon(loop, lambda: self._done(chars, not f.cancelled())))
-        tokens = await asyncio.wrap_future(job)
+        tokens = await self._worker.run(partial(self.service.tokenize, request), weight=chars)
         return dataclasses.replace(request, tokens=tokens)
-
-    def _done(self, chars: int, ran: bool) -> None:
-        self._jobs -= 1
-        self._queued_chars -= chars
-        self.offloaded += ran
 
     def close(self) -> None:
         """Queued jobs are dropped; a job running finishes in the background."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop was closed: nothing is waiting any more
-        loop.call_soon_threadsafe(fn)
+        self._worker.close()

@@ -22,12 +22,14 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
+from epp.server.serial_worker import SerialWorker
 from simulator.serving.engine_runner import EngineRunner, EngineStopped, Pending
 from simulator.serving.metrics import CONTENT_TYPE, EngineMetrics
 from simulator.serving.output_text import OutputText
@@ -35,6 +37,11 @@ from simulator.serving.request_body import ApiError, BodyReader, Generation, dec
 from simulator.serving.responses import DONE, ResponseShape, error_event, usage
 
 _JSON = "application/json"
+
+
+OFFLOAD_BODY_BYTES = 16 * 1024
+"""Bodies this long with a tokenizer are read in the worker thread (and any while it has work, so that
+the loop never waits for the tokenizer's lock)."""
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -60,6 +67,9 @@ class OpenAiApi:
         self.stream_interval = stream_interval
         self.created = int(time.time())
         self.rejected = 0  # requests answered with an error
+        # Long bodies to tokenize are read in a worker thread, as vLLM's API server tokenizes apart from
+        # its engine: the event loop, which runs the engine's steps, does not stop for them.
+        self.tokenizing = SerialWorker("sim-tokenize")
         self.disconnects = 0  # streams whose client went away
 
     def add_routes(self, app: web.Application) -> None:
@@ -79,7 +89,12 @@ class OpenAiApi:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            gen = self.reader.read(decode_body(await request.read()), chat=chat)
+            raw = await request.read()
+            doc = decode_body(raw)
+            if self.reader.tokenizer is not None and (self.tokenizing.busy or len(raw) >= OFFLOAD_BODY_BYTES):
+                gen = await self.tokenizing.run(partial(self.reader.read, doc, chat=chat), weight=len(raw))
+            else:
+                gen = self.reader.read(doc, chat=chat)
             prefix = "chatcmpl" if chat else "cmpl"
             request_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
             out = self.text.output_ids(gen.prompt_ids, gen.cache_salt, gen.max_tokens)

@@ -135,6 +135,8 @@ class SimulatedEngineServer:
             await runner.cleanup()
         if self.kv is not None:
             await self.kv.stop()
+        if self.api is not None:
+            self.api.tokenizing.close()
 
     async def __aenter__(self) -> SimulatedEngineServer:
         return await self.start()

@@ -25,10 +25,11 @@ import zmq.asyncio
 from epp.config import KvEventsConfig, StaticEndpoint, default_config
 from epp.kvindex.events import BlockStored, decode_batch
 from epp.kvindex.freshness import FRESH
+from epp.kvindex.prompt import PromptTokenizer
 from epp.server.app import EppServer, ServerSettings
 from epp.sources.metrics_text import parse_metrics
 from epp.testing.envoy import EnvoyConfig, EnvoyProcess, free_port
-from epp.testing.tokenizer import build_tiny_tokenizer
+from epp.testing.tokenizer import build_tiny_tokenizer, generated_text
 from epp.testing.wait import eventually
 from simulator.cli import main as sim_main
 from simulator.engine import EngineConfig
@@ -109,6 +110,38 @@ async def test_completions_and_chat_non_streaming(tok_dir: pathlib.Path) -> None
         assert models["data"][0]["max_model_len"] == 255 * BS
         async with session.get(f"{srv.url}/health") as r:
             assert r.status == 200
+
+
+async def test_a_long_chat_is_tokenized_in_the_worker_and_served_as_a_short_one_is(
+    tok_dir: pathlib.Path,
+) -> None:
+    """Bodies of 16 KiB or more are read in a worker thread (the loop runs the engine's steps meanwhile);
+    the prompt's ids, hence its length and its cache hits, are the ones the loop would compute."""
+    system = generated_text(40_000)
+    chat = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "?"}],
+        "max_tokens": 3,
+    }
+    expected = len(PromptTokenizer.from_dir(tok_dir).encode_chat(chat["messages"]))
+    async with serving(tokenizer=tok_dir, engine=EngineConfig(num_gpu_blocks=4096, block_size=BS)) as (
+        srv,
+        session,
+    ):
+        status, first = await post(session, srv, "/v1/chat/completions", chat)
+        assert status == 200, first
+        assert first["usage"]["prompt_tokens"] == expected
+        status, again = await post(session, srv, "/v1/chat/completions", chat)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == cached(expected)
+        assert srv.api is not None and srv.api.tokenizing.completed == 2
+        # A short one is read on the loop; a bad long one is a clear 400 from the worker.
+        status, _ = await post(
+            session, srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert status == 200 and srv.api.tokenizing.completed == 2
+        bad = {**chat, "continue_final_message": True}  # with add_generation_prompt: refused
+        status, doc = await post(session, srv, "/v1/chat/completions", bad)
+        assert status == 400 and "continue_final_message" in doc["error"]["message"], doc
+        assert srv.api.tokenizing.completed == 3
 
 
 async def test_repeated_prompt_reports_the_engines_cached_tokens() -> None:
