@@ -531,3 +531,16 @@ def test_a_reader_no_profile_uses_does_not_make_the_server_tokenize_ahead(tok_di
     )
     server = EppServer(ServerSettings.loopback(refresh_metrics_interval=0), parse_config(text, "t.yaml"))
     assert server.kv.prompt_readers == set() and server.tokenizing is None
+
+
+async def test_after_close_the_worker_refuses_work_and_a_stream_gets_a_500(tok_dir: Path) -> None:
+    d, _ = _director(tok_dir, True)
+    assert d.tokenizing is not None
+    d.tokenizing.close()
+    with pytest.raises(RuntimeError):
+        await d.tokenizing.tokenize(text(2 * OFFLOAD_CHARS))
+    assert not d.tokenizing.busy  # nothing was counted
+    budget = BodyBudget(1 << 24)
+    payload = json.dumps({"model": "m", "prompt": generated_text(2 * OFFLOAD_CHARS)}).encode()
+    out = await drive(RequestStream(d, 1 << 24, budget), [completions_headers(), body(payload, True)])
+    assert [r.immediate_response.status.code for r in out] == [500] and budget.held == 0
