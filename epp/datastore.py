@@ -175,7 +175,7 @@ class Datastore:
             rec.in_flight_prompt_tokens += prompt_tokens
             if work.requests:
                 rec.prefill_backlog = rec.prefill_backlog + work
-                if first_token_by != float("inf"):
+                if first_token_by < float("inf"):  # (not NaN either: it would sit at the heap's root)
                     heapq.heappush(self._deadlines, (first_token_by, next(self._seq), ticket))
             self._changed(rec)
         return ticket

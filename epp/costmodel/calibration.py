@@ -113,7 +113,9 @@ class Calibrator:
         self._first.append((x0, x1, y))
         if len(self._first) < s.warmup:
             return
-        ratios = sorted(y / (a + b) for a, b, y in self._first)
+        ratios = sorted(y / (a + b) for a, b, y in self._first if a + b > 0)
+        if not ratios:  # (regressors that underflowed to 0: nothing to scale by)
+            ratios = [1.0]
         start = _clamp(_median(ratios), s.min_scale, s.max_scale)
         self.prefill_scale = start
         if any(b >= 0.1 for _, b, _ in self._first):  # a queue was seen: it starts there too

@@ -92,6 +92,10 @@ def parse_cost_model(raw: Mapping[str, Any] | None) -> CostModelSettings:
     return CostModelSettings(profiles, settings)
 
 
+MAX_CALIBRATED_MODELS = 256
+"""Model names calibrated (and exported) at most: past these, a model keeps its profile's coefficients."""
+
+
 class CostModel:
     def __init__(self, settings: CostModelSettings | None = None) -> None:
         self.settings = settings or CostModelSettings()
@@ -104,9 +108,13 @@ class CostModel:
     def profile(self, model: str) -> ModelProfile:
         return self.settings.profiles[self.profile_key(model)]
 
-    def calibrator(self, model: str) -> Calibrator:
+    def calibrator(self, model: str) -> Calibrator | None:
+        """The model's calibrator, created at its first observation; None past MAX_CALIBRATED_MODELS names
+        (model names come from clients: those models keep the profile's coefficients)."""
         c = self._calibrators.get(model)
         if c is None:
+            if len(self._calibrators) >= MAX_CALIBRATED_MODELS:
+                return None
             c = self._calibrators[model] = Calibrator(self.settings.calibration)
         return c
 
@@ -150,8 +158,11 @@ class CostModel:
         return self._orders[self.profile_key(model)]
 
     def observe(self, model: str, estimate: TtftEstimate, actual_s: float) -> bool:
-        """An observed time to first token for a request routed with `estimate`."""
-        return self.calibrator(model).observe(
+        """An observed time to first token for a request routed with `estimate`; False when not used."""
+        c = self.calibrator(model)
+        if c is None:
+            return False
+        return c.observe(
             estimate.prefill_nominal_s,
             estimate.queue_nominal_s,
             estimate.reload_s + estimate.decode_s,

@@ -25,7 +25,8 @@ class Admission:
         slo = self.ttft_slo_s
         if slo is None or fastest_s is None or not request.sheddable or fastest_s <= slo:
             return
-        wait = math.ceil(fastest_s - slo)
+        # (an estimate that is not finite, from an endpoint's absurd metrics, waits the longest)
+        wait = math.ceil(fastest_s - slo) if math.isfinite(fastest_s) else self.max_retry_after_s
         retry = max(self.min_retry_after_s, min(self.max_retry_after_s, wait))
         raise SloExceededError(
             f"estimated time to first token {fastest_s:.3f}s exceeds the {slo:g}s SLO on every endpoint "

@@ -63,6 +63,11 @@ _ESCAPE_RE = re.compile(r"\\(.)")
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
 
 
+MAX_REQUESTS = 1_000_000
+"""Waiting and running requests (and `max_lora`) are capped here: a pod reporting more is busy beyond
+any estimate, and a value near a float's limit would make its TTFT estimate NaN."""
+MAX_BLOCK_SIZE = 1 << 20  # tokens per KV block; larger (or more blocks below) reads as absent
+MAX_GPU_BLOCKS = 1 << 40
 MAX_MODELS = 64
 """Model names kept from one page (a server serves one model and its adapters; a page naming thousands
 is not followed further)."""
@@ -104,8 +109,10 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
             models.add(model)
         if kind == _GEOMETRY:
             block_label, blocks_label = _GEOMETRY_LABELS[m.group()]
-            block_size = block_size if block_size is not None else _positive_int(labels.get(block_label))
-            num_blocks = num_blocks if num_blocks is not None else _positive_int(labels.get(blocks_label))
+            if block_size is None:
+                block_size = _positive_int(labels.get(block_label), MAX_BLOCK_SIZE)
+            if num_blocks is None:
+                num_blocks = _positive_int(labels.get(blocks_label), MAX_GPU_BLOCKS)
         elif kind == _LORA:
             stamp = value if not math.isnan(value) else -math.inf
             if lora is None or stamp > lora_at:
@@ -143,8 +150,8 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
     lora = lora or {}
     return MetricsSnapshot(
         observed_at=observed_at,
-        waiting=max(0, round(waiting)),
-        running=max(0, round(running)),
+        waiting=min(MAX_REQUESTS, max(0, round(waiting))),
+        running=min(MAX_REQUESTS, max(0, round(running))),
         kv_usage=min(1.0, max(0.0, usage)),
         block_size=block_size,
         num_gpu_blocks=num_blocks,
@@ -153,7 +160,7 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
         models=frozenset(models),
         running_lora_adapters=_adapters(lora.get("running_lora_adapters")),
         waiting_lora_adapters=_adapters(lora.get("waiting_lora_adapters")),
-        max_lora=_positive_int(lora.get("max_lora")),
+        max_lora=_positive_int(lora.get("max_lora"), MAX_REQUESTS),
     )
 
 
@@ -209,15 +216,16 @@ def _number(token: str, what: str) -> float:
         raise ValueError(f"invalid {what} {token!r}") from None
 
 
-def _positive_int(text: str | None) -> int | None:
-    """An integer label value (e.g. `num_gpu_blocks="2048"`); None when absent or like "None"."""
-    if not text:
+def _positive_int(text: str | None, limit: int) -> int | None:
+    """An integer label value (e.g. `num_gpu_blocks="2048"`); None when absent, like "None", or past
+    `limit` (no engine has that many; as a float it could overflow the estimates)."""
+    if not text or len(text) > 20:
         return None
     try:
         number = int(text)
     except ValueError:
         return None
-    return number if number > 0 else None
+    return number if 0 < number <= limit else None
 
 
 def _adapters(text: str | None) -> frozenset[str]:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epp.sources.metrics_text import KNOWN_SERIES, MetricsParseError, parse_metrics
+from epp.sources.metrics_text import KNOWN_SERIES, MAX_REQUESTS, MetricsParseError, parse_metrics
 from epp.types import MetricsSnapshot
 
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
@@ -99,8 +99,8 @@ def model(samples: list[tuple[str, str, dict[str, str], float]]) -> dict[str, An
     legacy = finite(KV_LEGACY)
     usage = max(kv) if kv else max(legacy) if legacy else 0.0
     return {
-        "waiting": max(0, round(sums["waiting"])),
-        "running": max(0, round(sums["running"])),
+        "waiting": min(MAX_REQUESTS, max(0, round(sums["waiting"]))),  # (capped: past it, absurd)
+        "running": min(MAX_REQUESTS, max(0, round(sums["running"]))),
         "kv_usage": min(1.0, max(0.0, usage)),
         "queries": sums["queries"] if finite(QUERIES) else None,
         "hits": sums["hits"] if finite(HITS) else None,

@@ -141,6 +141,8 @@ class TtftScorer:
         table = self.cost.estimate_all(request.model, endpoints, tokens, held, bs)
         state.data[ESTIMATES] = table
         times = table.ttft
+        if not np.isfinite(times).all():  # an endpoint's absurd metrics: it loses, it cannot spoil the others
+            times = np.where(np.isnan(times), np.inf, times)
         best = float(times.min())
         state.data[FASTEST] = best
         cached = table.cached
@@ -152,28 +154,33 @@ class TtftScorer:
             if copy is not None:
                 times = times + copy
                 best = float(times.min())
+        if not np.isfinite(best):  # no finite estimate anywhere: nothing to rank by
+            state.data[RANKING] = RankTerms(table.ids, copy, np.ones(len(endpoints), dtype=bool))
+            return [1.0] * len(endpoints)
         cut = best + max(best * self.band, self.band_s)
         tied = times <= cut
         state.data[RANKING] = RankTerms(table.ids, copy, tied)
         plain = best / times
         top: float | F64 = 1.0
         if tied.sum() > 1:
+            outside = float(plain[~tied].max(initial=0.0))  # the best score outside the band (< 1)
+            step = min(_TIE_STEP, (1.0 - outside) / 4.0)  # so that near-ties stay above it (narrow bands)
             most = float(cached[tied].max())
             if most > float(cached[tied].min()):
                 # Near-ties holding less of the prompt than the others: above every pod outside the band,
                 # below the ones holding the most (they add less prefill and copy no prefix).
-                second = (1.0 + float(plain[~tied].max(initial=0.0))) / 2.0
-                top = np.where(cached >= most, 1.0, second)
+                top = np.where(cached >= most, 1.0, (1.0 + outside) / 2.0)
             if self.kv_tie_break:  # then the one with the most free KV (equal usage: still a random pick)
                 usage = _kv_usage(endpoints) if usage is None else usage
-                top = top - _TIE_STEP * np.maximum(usage, 0.0)
+                top = top - step * np.maximum(usage, 0.0)
         scores: list[float] = np.where(tied, top, plain).tolist()
         return scores
 
     def _copy_cost(self, table: EstimateTable, usage: F64) -> F64 | None:
         """Seconds charged to candidates that would copy into their KV a prefix another candidate holds:
-        the prefill the copy adds x `copyWeight` x min(u / (1 - u), 2), u the KV usage of the pod the copy
-        would go to (0 without metrics); None (nothing) while no candidate's KV is in use."""
+        the prefill the copy adds (the profile's, not calibrated: docs/ttft-picker.md) x `copyWeight` x
+        min(u / (1 - u), 2), u the KV usage of the pod the copy would go to (0 without metrics); None
+        (nothing) while no candidate's KV is in use."""
         own = np.clip(usage, 0.0, _FULL_PRESSURE_AT)
         if not own.any():
             return None
