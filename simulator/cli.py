@@ -38,7 +38,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from simulator import report
+from simulator import policies, report
 from simulator.cluster import ClusterConfig
 from simulator.engine import EngineConfig
 from simulator.engine_replay import EngineReplayError, engine_replay
@@ -48,6 +48,7 @@ from simulator.replay import resolve
 from simulator.serving import command as serve_engine
 from simulator.traces import (
     ARRIVALS,
+    Fits,
     TraceError,
     TraceRequest,
     agentic,
@@ -184,8 +185,29 @@ def run_engine_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def kv_room(num_gpu_blocks: int, block_size: int) -> Fits:
+    """Whether a request fits one engine's KV cache: its prompt and every output token but the last (which
+    is never fed back) in the engine's blocks less vLLM's reserved null block."""
+    room = (num_gpu_blocks - 1) * block_size
+
+    def fits(prompt: int, output: int) -> str | None:
+        need = prompt + output - 1
+        if need <= room:
+            return None
+        return (
+            f"{prompt} prompt + {output} output tokens need {need} tokens of KV cache ({prompt} + {output} "
+            f"- 1: the last output token is never stored); an engine holds {room} = ({num_gpu_blocks} - 1) "
+            f"x {block_size} (--num-gpu-blocks less the reserved null block, x --block-size)"
+        )
+
+    return fits
+
+
 def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str, str | None]:
-    """The trace, its source (a path or `synthetic:WORKLOAD`) and its file format (None: synthetic)."""
+    """The trace, its source (a path or `synthetic:WORKLOAD`) and its file format (None: synthetic).
+    Every request fits an engine (`kv_room`), else a ValueError naming the file's line or the generated
+    request; a file's requests are checked before their token ids are built."""
+    fits = kv_room(args.num_gpu_blocks, args.block_size)
     if args.trace:
         if args.arrivals or args.arrival_cv is not None:
             raise ValueError("--arrivals and --arrival-cv are for --workload; a --trace has its own arrivals")
@@ -198,7 +220,7 @@ def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str, str |
         except UnicodeDecodeError as err:
             raise TraceError(str(path), None, f"not UTF-8 text (byte {err.start})") from None
         reader = read_azure if fmt == "azure" else read_mooncake
-        return reader(text, str(path), seed=args.seed), str(path), fmt
+        return reader(text, str(path), seed=args.seed, fits=fits), str(path), fmt
     workload = args.workload or "shared-prefix"
     n, rate, seed = args.requests, args.rate, args.seed
     process, cv = args.arrivals or "poisson", args.arrival_cv
@@ -212,12 +234,18 @@ def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str, str |
         trace = multi_turn(max(1, n // 5), 5, 600, 150, 150, rate / 5, seed=seed, process=process, cv=cv)
     else:
         trace = agentic(max(1, n // 6), 6, 1500, 200, 300, 100, rate / 6, seed=seed, process=process, cv=cv)
+    for r in trace:
+        why = fits(len(r.prompt), r.output_tokens)
+        if why is not None:
+            raise ValueError(f"synthetic:{workload}: generated request {r.index} (in arrival order): {why}")
     return trace, f"synthetic:{workload}", None
 
 
-def _git(*args: str) -> str | None:
-    """`git ARGS` in the repository holding this package (not the working directory); None if it fails."""
-    here = pathlib.Path(__file__).resolve().parent
+PACKAGE = pathlib.Path(__file__).resolve().parent
+
+
+def _git(here: pathlib.Path, *args: str) -> str | None:
+    """`git ARGS` in directory `here` (not the working directory); None if it fails."""
     try:
         out = subprocess.run(
             ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=5, check=False
@@ -227,12 +255,19 @@ def _git(*args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def _commit() -> tuple[str, bool | None]:
-    """The simulator's commit, and whether tracked files differ from it (None: unknown, no git)."""
-    head = (_git("rev-parse", "HEAD") or "").strip()
+def _commit(package: pathlib.Path = PACKAGE) -> tuple[str, bool | None]:
+    """The simulator's commit, and whether tracked files differ from it; ("unknown", None) without git or
+    when `package` is not the checked-out package of a repository: one whose top is the package's parent
+    and that tracks its `cli.py` (not a repository the package was merely installed inside)."""
+    top = (_git(package, "rev-parse", "--show-toplevel") or "").strip()
+    if not top or pathlib.Path(top).resolve() != package.resolve().parent:
+        return "unknown", None
+    if _git(package, "ls-files", "--error-unmatch", "--", "cli.py") is None:  # (relative to package)
+        return "unknown", None
+    head = (_git(package, "rev-parse", "HEAD") or "").strip()
     if not head:
         return "unknown", None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git(package, "status", "--porcelain", "--untracked-files=no")
     return head, None if status is None else bool(status.strip())
 
 
@@ -259,18 +294,8 @@ def run_replay(args: argparse.Namespace) -> int:
     trace, source, fmt = load_trace(args)
     if args.rate_scale != 1.0:
         trace = scale_rate(trace, args.rate_scale)
-    room = (args.num_gpu_blocks - 1) * args.block_size
-    for r in trace:
-        if len(r.prompt) + r.output_tokens - 1 > room:
-            raise ValueError(
-                f"{source}: request {r.index} (in arrival order) needs {len(r.prompt)} prompt + "
-                f"{r.output_tokens} output tokens; an engine holds {room} (--num-gpu-blocks x --block-size)"
-            )
     out = pathlib.Path(args.out)
-    try:  # before the simulation, not after it
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--out {out}: cannot create the results directory: {err.strerror}") from None
+    report.check_out(out, [policies.label(name) for name in names])  # before the simulation, not after it
     engine = EngineConfig(
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=args.block_size,
@@ -325,8 +350,12 @@ def run_replay(args: argparse.Namespace) -> int:
         "commit": commit,
         "dirty": dirty,
     }
-    report.write(out, result.summary, result.records, meta, result.bounds)
-    print(report.table(result.summary, result.bounds))
+    print(report.table(result.summary, result.bounds), flush=True)  # first: a failed write loses nothing
+    try:
+        report.write(out, result.summary, result.records, meta, result.bounds)
+    except OSError as err:
+        where = err.filename if err.filename is not None else out
+        raise ValueError(f"--out {out}: cannot write {where}: {err.strerror or err}") from None
     print(f"results in {out}/ (summary.json, records-*.jsonl, ttft_cdf.png, hit_rates.png)")
     if not any(figures["requests"] for figures in result.summary.values()):
         lines = "; ".join(report.rejections(result.summary))

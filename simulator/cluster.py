@@ -241,7 +241,7 @@ class Cluster:
             decision = self.scheduler.schedule(request, self.datastore.candidates()).decision
         except SchedulingError:
             self._pending -= 1
-            rejected = RequestRecord.rejected(r.index, r.arrival, len(r.prompt))
+            rejected = RequestRecord.rejected(r.index, r.arrival, len(r.prompt), r.output_tokens)
             self.records.append(rejected)
             if self.on_done is not None:
                 self.on_done(rejected)

@@ -2,13 +2,18 @@
 
 `summary.json` maps each policy name to its figures (named with their units; null where a policy
 completed no request) and carries the run's metadata (trace, pods, seed, version, commit) and the
-trace's cache bounds. The records files hold every request, completed or rejected (`status`).
+trace's cache bounds. The records files hold every request, completed or rejected (`status`);
+`records-*.jsonl` files of policies not in the run are removed, so the directory holds one run.
+`check_out` tries the directory before a run: one that cannot be written is a ValueError then, not an
+OSError after the simulation.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +23,8 @@ matplotlib.use("Agg")  # files only, never a display
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from simulator.results import Figures, RequestRecord
 
@@ -81,6 +88,43 @@ def table(summary: Mapping[str, Figures], bounds: Mapping[str, float] | None = N
     return "\n".join(lines)
 
 
+SUMMARY = "summary.json"
+PLOTS = ("ttft_cdf.png", "hit_rates.png")
+RECORDS = "records-*.jsonl"
+
+
+def records_name(policy: str) -> str:
+    return f"records-{policy}.jsonl"
+
+
+def files(out: pathlib.Path, policies: Sequence[str]) -> list[pathlib.Path]:
+    """The files a run of `policies` writes under `out`."""
+    return [out / SUMMARY, *(out / records_name(p) for p in policies), *(out / name for name in PLOTS)]
+
+
+def check_out(out: pathlib.Path, policies: Sequence[str]) -> None:
+    """Make sure the results of `policies` can be written under `out` (created): a file can be created
+    and removed there, and none of the result files' names is taken by a directory or a file that cannot
+    be written. ValueError naming `--out` and what is wrong."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot create the results directory: {err.strerror or err}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".epp-sim-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(
+            f"--out {out}: cannot write in the results directory: {err.strerror or err}"
+        ) from None
+    for path in files(out, policies):
+        if path.exists() and not path.is_file():
+            raise ValueError(f"--out {out}: {path} is in the way: it exists and is not a file")
+        if path.is_file() and not os.access(path, os.W_OK):
+            raise ValueError(f"--out {out}: {path} exists and cannot be written")
+
+
 def write(
     out: pathlib.Path,
     summary: Mapping[str, Figures],
@@ -88,21 +132,41 @@ def write(
     meta: Mapping[str, Any],
     bounds: Mapping[str, float],
 ) -> list[pathlib.Path]:
-    """Write every result file under `out` (created); returns the paths written."""
+    """Write every result file under `out` (created), then remove the `records-*.jsonl` files of policies
+    not in `records` (left by an earlier run); returns the paths written. OSError if a file cannot be
+    written."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     doc = {"meta": dict(meta), "bounds": dict(bounds), "policies": {k: dict(v) for k, v in summary.items()}}
-    path = out / "summary.json"
-    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    path = out / SUMMARY
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     written.append(path)
     for policy, recs in records.items():
-        path = out / f"records-{policy}.jsonl"
-        with path.open("w") as f:
+        path = out / records_name(policy)
+        with path.open("w", encoding="utf-8") as f:
             for r in recs:
                 f.write(json.dumps(r.to_json()) + "\n")
         written.append(path)
     written += plots(out, summary, records, bounds)
+    ours = {p.name for p in written}
+    for stale in sorted(out.glob(RECORDS)):
+        if stale.name not in ours and stale.is_file():
+            stale.unlink()
     return written
+
+
+def ttft_cdf(ax: Axes, names: Sequence[str], records: Mapping[str, Sequence[RequestRecord]]) -> None:
+    """Each policy's TTFT distribution of its completed requests on `ax`: a step from probability 0 up to
+    1, so a single request is a visible vertical step too; one marker per request up to 50."""
+    for name in names:
+        ttft = np.sort([r.ttft_s for r in records[name] if r.ttft_s is not None])  # completed ones
+        if ttft.size:
+            xs = np.concatenate([ttft[:1], ttft])
+            ys = np.concatenate([[0.0], np.arange(1, ttft.size + 1) / ttft.size])
+            marker = "o" if ttft.size <= 50 else None
+            ax.step(xs, ys, where="post", label=name, marker=marker, markersize=3)
+    ax.set_xscale("log")
+    ax.set_ylim(0.0, 1.0)
 
 
 def plots(
@@ -113,21 +177,15 @@ def plots(
 ) -> list[pathlib.Path]:
     names = list(summary)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in names:
-        ttft = np.sort([r.ttft_s for r in records[name] if r.ttft_s is not None])  # completed ones
-        if ttft.size:
-            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
-    ax.set_xscale("log")
+    ttft_cdf(ax, names, records)
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT distribution by policy")
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines:  # (no line when no policy completed a request)
         ax.legend(fontsize="small")
-    ttft_path = out / "ttft_cdf.png"
-    fig.tight_layout()
-    fig.savefig(ttft_path, dpi=110)
-    plt.close(fig)
+    ttft_path = out / PLOTS[0]
+    _save(fig, ttft_path)
 
     fig, ax = plt.subplots(figsize=(10, 5))
     x = np.arange(len(names))
@@ -141,8 +199,14 @@ def plots(
     ax.set_title("Prefix cache hit rates by policy")
     ax.set_ylim(0, 100)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not on them
-    hits_path = out / "hit_rates.png"
-    fig.tight_layout()
-    fig.savefig(hits_path, dpi=110)
-    plt.close(fig)
+    hits_path = out / PLOTS[1]
+    _save(fig, hits_path)
     return [ttft_path, hits_path]
+
+
+def _save(fig: Figure, path: pathlib.Path) -> None:
+    try:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)  # (closed when the file cannot be written too)

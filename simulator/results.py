@@ -3,7 +3,8 @@
 Every figure in `summarize` is named with its unit (`ttft_p99_s`, `token_hit_rate`, ...), as
 `summary.json` carries them. Hit rates are the engines' real ones (what their prefix caches
 served), not what the router believed. A request the router found no pod for is a record too
-(status `rejected`, no pod, no times), counted apart from the completed requests' figures.
+(status `rejected`, no pod, no times, the output it asked for), counted apart from the completed
+requests' figures.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ class RequestRecord:
     prompt_tokens: int
     cached_tokens: int  # served from the engine's GPU prefix cache
     loaded_tokens: int  # reloaded from the engine's CPU tier
-    output_tokens: int
+    output_tokens: int  # generated; for a rejected request, the output it asked for
     first_token_s: float | None  # absolute simulated times; None when rejected
     finished_s: float | None
     status: str = COMPLETED  # or REJECTED
 
     @classmethod
-    def rejected(cls, index: int, arrival_s: float, prompt_tokens: int) -> RequestRecord:
-        return cls(index, arrival_s, None, prompt_tokens, 0, 0, 0, None, None, REJECTED)
+    def rejected(
+        cls, index: int, arrival_s: float, prompt_tokens: int, output_tokens: int = 0
+    ) -> RequestRecord:
+        return cls(index, arrival_s, None, prompt_tokens, 0, 0, output_tokens, None, None, REJECTED)
 
     @property
     def ttft_s(self) -> float | None:
@@ -72,24 +75,23 @@ FIGURES = tuple(
 """The figures of the completed requests (besides `requests`, `rejected_requests`, `rejected_rate`)."""
 
 
-def _pct(values: npt.NDArray[np.float64], q: float) -> float:
-    return float(np.percentile(values, q)) if values.size else 0.0
-
-
-def _stats(prefix: str, values: npt.NDArray[np.float64]) -> dict[str, float]:
-    return {
-        f"{prefix}_mean_s": float(values.mean()) if values.size else 0.0,
-        f"{prefix}_p50_s": _pct(values, 50),
-        f"{prefix}_p90_s": _pct(values, 90),
-        f"{prefix}_p99_s": _pct(values, 99),
-    }
+def _stats(prefix: str, values: npt.NDArray[np.float64]) -> Figures:
+    """Mean and percentiles of `values`; None with no value (nothing to measure)."""
+    names = [f"{prefix}_{s}_s" for s in ("mean", "p50", "p90", "p99")]
+    if not values.size:
+        return dict.fromkeys(names)
+    figures: list[float | None] = [
+        float(values.mean()),
+        *(float(np.percentile(values, q)) for q in (50, 90, 99)),
+    ]
+    return dict(zip(names, figures, strict=True))
 
 
 def summarize(records: Sequence[RequestRecord], pods: Sequence[str]) -> Figures:
     """The figures of one policy's run. `pods`: every pod of the cluster (idle ones count for imbalance).
     `requests` counts the completed requests and every other figure is theirs; the rejected ones count
     in `rejected_requests` and `rejected_rate` (of all requests) only. With none completed, the figures
-    of `FIGURES` are None."""
+    of `FIGURES` are None; with no completed request of more than one output token, the `tpot_*_s`."""
     if not records:
         raise ValueError("no requests to summarize")
     done = [r for r in records if r.status == COMPLETED]

@@ -9,7 +9,13 @@ share content, so prefix reuse in the trace becomes prefix reuse in the engines'
   prefix). Each id maps to its own deterministic run of 512 token ids; the last block is cut
   to `input_length - 512 * (len(hash_ids) - 1)` tokens.
 - **Azure LLM inference CSV** (`TIMESTAMP,ContextTokens,GeneratedTokens`): arrivals and
-  lengths only, so every prompt is unique (no reuse).
+  lengths only, so every prompt is unique (no reuse). TIMESTAMP is seconds or an ISO date-time
+  (with or without a UTC offset; naive ones are UTC), the same kind on every row.
+
+Both readers shift the arrivals so that the first is at 0 (absolute timestamps, such as epoch
+milliseconds, become seconds from the start) and skip a UTF-8 byte order mark. `fits(prompt,
+output)`, when given, is asked about every request before its token ids are built: a message
+(the request does not fit an engine) is a `TraceError` naming the line.
 - **Generators**: `shared_prefix` (groups of prompts sharing a system prompt, like
   inference-perf's `shared_prefix`), `multi_turn` (chat sessions whose every turn resends the
   whole conversation so far), `agentic` (loops whose context grows by tool output each step);
@@ -26,7 +32,8 @@ import io
 import json
 import math
 import random
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -37,6 +44,8 @@ MOONCAKE_BLOCK = 512
 ARRIVALS = ("poisson", "gamma")
 VOCAB = 32_000
 Tokens = npt.NDArray[np.int32]
+Fits = Callable[[int, int], str | None]
+"""`fits(prompt_tokens, output_tokens)`: None if such a request can run, else why it cannot."""
 
 
 class TraceError(ValueError):
@@ -92,10 +101,12 @@ def _positive_int(source: str, line: int, doc: dict[str, object], key: str, mini
 
 
 # -- Mooncake -------------------------------------------------------------------------------------
-def read_mooncake(text: str, source: str = "<mooncake>", seed: int = 0) -> list[TraceRequest]:
+def read_mooncake(
+    text: str, source: str = "<mooncake>", seed: int = 0, fits: Fits | None = None
+) -> list[TraceRequest]:
     tokens = TokenSource(seed)
     out: list[TraceRequest] = []
-    for line_no, line in enumerate(io.StringIO(text), start=1):
+    for line_no, line in enumerate(io.StringIO(text.removeprefix("\ufeff")), start=1):
         if not line.strip():
             continue
         try:
@@ -104,9 +115,10 @@ def read_mooncake(text: str, source: str = "<mooncake>", seed: int = 0) -> list[
             raise TraceError(source, line_no, f"not JSON: {err.msg}") from None
         if not isinstance(doc, dict):
             raise TraceError(source, line_no, "each line must be a JSON object")
-        ts = doc.get("timestamp")
-        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-            raise TraceError(source, line_no, f"'timestamp' must be a number of ms >= 0, got {ts!r}")
+        ms = _milliseconds(doc.get("timestamp"))
+        if ms is None:
+            shown = _short(doc.get("timestamp"))
+            raise TraceError(source, line_no, f"'timestamp' must be a finite number of ms >= 0, got {shown}")
         n_in = _positive_int(source, line_no, doc, "input_length", 1)
         n_out = _positive_int(source, line_no, doc, "output_length", 1)
         ids = doc.get("hash_ids")
@@ -118,15 +130,42 @@ def read_mooncake(text: str, source: str = "<mooncake>", seed: int = 0) -> list[
                 line_no,
                 f"input_length {n_in} does not fit {len(ids)} blocks of {MOONCAKE_BLOCK} tokens",
             )
+        _check_fits(fits, source, line_no, n_in, n_out)
         last = n_in - MOONCAKE_BLOCK * (len(ids) - 1)
         parts = [tokens.tokens("mc", i, MOONCAKE_BLOCK) for i in ids[:-1]]
         parts.append(tokens.tokens("mc", ids[-1], MOONCAKE_BLOCK)[:last])
-        out.append(TraceRequest(float(ts) / 1000.0, np.concatenate(parts), n_out))
-    return _sorted(out, source)
+        out.append(TraceRequest(ms / 1000.0, np.concatenate(parts), n_out))
+    start = min((r.arrival for r in out), default=0.0)  # epoch timestamps: seconds from the first
+    return _sorted([replace(r, arrival=r.arrival - start) for r in out], source)
+
+
+def _milliseconds(value: object) -> float | None:
+    """A Mooncake timestamp as a float, or None if it is not a finite number >= 0 (an integer too
+    large for a float included)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        ms = float(value)
+    except OverflowError:
+        return None
+    return ms if math.isfinite(ms) and ms >= 0 else None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def _check_fits(fits: Fits | None, source: str, line: int, n_in: int, n_out: int) -> None:
+    why = fits(n_in, n_out) if fits is not None else None
+    if why is not None:
+        raise TraceError(source, line, why)
 
 
 # -- Azure ----------------------------------------------------------------------------------------
-def read_azure(text: str, source: str = "<azure>", seed: int = 0) -> list[TraceRequest]:
+def read_azure(
+    text: str, source: str = "<azure>", seed: int = 0, fits: Fits | None = None
+) -> list[TraceRequest]:
     """Azure LLM inference trace CSV: TIMESTAMP (ISO date-time or seconds), ContextTokens, GeneratedTokens."""
     reader = csv.DictReader(io.StringIO(text.removeprefix("\ufeff")))
     need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
@@ -134,21 +173,58 @@ def read_azure(text: str, source: str = "<azure>", seed: int = 0) -> list[TraceR
         raise TraceError(source, 1, f"header must name {', '.join(sorted(need))}, got {reader.fieldnames}")
     tokens = TokenSource(seed)
     out: list[TraceRequest] = []
+    lines: list[int] = []
+    first_kind: tuple[str, int] | None = None  # the kind of TIMESTAMP of the first row, and its line
     for i, row in enumerate(reader):
         line_no = reader.line_num
-        t = _timestamp(source, line_no, row["TIMESTAMP"])
+        t, kind = _timestamp(source, line_no, row["TIMESTAMP"])
+        if first_kind is None:
+            first_kind = (kind, line_no)
+        elif kind != first_kind[0]:
+            raise TraceError(
+                source,
+                line_no,
+                f"TIMESTAMP is {_KINDS[kind]} but line {first_kind[1]}'s is {_KINDS[first_kind[0]]}: "
+                "every row must give its time the same way",
+            )
         try:
             n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
         except (TypeError, ValueError):
             raise TraceError(source, line_no, "ContextTokens and GeneratedTokens must be integers") from None
         if n_in < 1 or n_out < 1:
             raise TraceError(source, line_no, "ContextTokens and GeneratedTokens must be >= 1")
+        _check_fits(fits, source, line_no, n_in, n_out)
         out.append(TraceRequest(t, tokens.tokens("az", i, n_in), n_out))
-    start = min((r.arrival for r in out), default=0.0)  # rows need not be in time order
-    return _sorted([replace(r, arrival=r.arrival - start) for r in out], source)
+        lines.append(line_no)
+    if not out:
+        raise TraceError(source, None, "the trace has no requests")
+    first = min(range(len(out)), key=lambda k: out[k].arrival)  # rows need not be in time order
+    start = out[first].arrival
+    shifted = []
+    for r, line_no in zip(out, lines, strict=True):
+        arrival = r.arrival - start
+        if not math.isfinite(arrival):
+            raise TraceError(
+                source,
+                line_no,
+                f"TIMESTAMP {r.arrival} s is too far after the earliest one ({start} s, line "
+                f"{lines[first]}): the time between them is not a finite number of seconds",
+            )
+        shifted.append(replace(r, arrival=arrival))
+    return _sorted(shifted, source)
 
 
-def _timestamp(source: str, line: int, value: str | None) -> float:
+_KINDS = {
+    "seconds": "a number of seconds",
+    "naive": "a date-time without a UTC offset",
+    "aware": "a date-time with a UTC offset",
+}
+_EXTRA_DIGITS = re.compile(r"(\.\d{6})\d+")
+
+
+def _timestamp(source: str, line: int, value: str | None) -> tuple[float, str]:
+    """Seconds, and the kind of timestamp: `seconds`, `naive` (ISO, taken as UTC) or `aware` (ISO
+    with a UTC offset)."""
     text = (value or "").strip()
     try:
         seconds = float(text)
@@ -156,13 +232,17 @@ def _timestamp(source: str, line: int, value: str | None) -> float:
         pass
     else:
         if not math.isfinite(seconds):
-            raise TraceError(source, line, f"TIMESTAMP {text!r} is not a finite number")
-        return seconds
-    try:  # Azure writes 7 fractional digits; Python reads 6. Naive times are taken as UTC.
-        stamp = datetime.fromisoformat(text.replace(" ", "T")[:26])
+            raise TraceError(source, line, f"TIMESTAMP {_short(text)} is not a finite number")
+        return seconds, "seconds"
+    try:  # Azure writes 7 fractional digits; Python reads at most 6
+        stamp = datetime.fromisoformat(_EXTRA_DIGITS.sub(r"\1", text))
     except ValueError:
-        raise TraceError(source, line, f"TIMESTAMP {text!r} is not seconds or an ISO date-time") from None
-    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)).timestamp()
+        raise TraceError(
+            source, line, f"TIMESTAMP {_short(text)} is not seconds or an ISO date-time"
+        ) from None
+    if stamp.tzinfo is None:
+        return stamp.replace(tzinfo=UTC).timestamp(), "naive"
+    return stamp.timestamp(), "aware"
 
 
 # -- arrivals and generators ----------------------------------------------------------------------

@@ -298,4 +298,7 @@ def test_rejected_requests_are_recorded_counted_and_reported_as_done() -> None:
     recs = result.records["ttft"]
     assert [r.index for r in recs] == list(range(len(trace)))
     assert {(r.status, r.pod, r.first_token_s) for r in recs} == {("rejected", None, None)}
+    assert [(r.prompt_tokens, r.output_tokens) for r in recs] == [
+        (len(t.prompt), 5) for t in trace
+    ]  # asked for
     assert {r.status for r in result.records["random"]} == {"completed"}

@@ -127,3 +127,59 @@ def test_report_writes_summary_records_and_plots(tmp_path: pathlib.Path) -> None
     text = report.table(summary, bounds)
     assert text.splitlines()[1].startswith("ttft") and "500.00" in text.splitlines()[1]
     assert "infinite shared cache 60.0%" in text
+
+
+def test_tpot_is_null_when_no_completed_request_has_a_second_token() -> None:
+    s = summarize([rec(0, "a", 0.0, 0.5, 0.5, out=1), rec(1, "a", 1.0, 1.2, 1.2, out=1)], ["a"])
+    tpot = [f"tpot_{stat}_s" for stat in ("mean", "p50", "p90", "p99")]
+    assert all(s[key] is None for key in tpot)
+    assert s["ttft_mean_s"] == pytest.approx(0.35) and s["e2e_p50_s"] == pytest.approx(0.35)
+    assert s["output_tokens_per_s"] == pytest.approx(2 / 1.2)
+    row = report.table({"one-token": s}).splitlines()[1].split()
+    assert row[5] == "-" and row[1] == "350.00"  # TPOT column "-", the others numbers
+    mixed = summarize([rec(0, "a", 0.0, 0.5, 0.5, out=1), rec(1, "a", 1.0, 1.2, 2.2, out=11)], ["a"])
+    assert mixed["tpot_mean_s"] == pytest.approx(0.1)
+
+
+def test_a_single_request_s_ttft_cdf_is_a_visible_step_from_0_to_1() -> None:
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    try:
+        report.ttft_cdf(ax, ["only"], {"only": [rec(0, "a", 0.0, 0.25, 1.0)]})
+        assert ax.get_ylim() == (0.0, 1.0)
+        (line,) = ax.lines
+        xy = line.get_xydata()
+        assert xy[0].tolist() == [0.25, 0.0] and xy[-1].tolist() == [0.25, 1.0]
+        fig.canvas.draw()
+        pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)  # type: ignore[attr-defined]
+        color = np.array(matplotlib.colors.to_rgb(line.get_color())) * 255
+        drawn = int((np.abs(pixels - color).sum(axis=-1) < 30).sum())
+        assert drawn > 50  # no legend here: these pixels are the line's
+    finally:
+        plt.close(fig)
+
+
+def test_results_of_policies_not_in_the_run_are_removed(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("records-ttft.jsonl", "records-random.jsonl", "records-old.json", "notes.txt"):
+        (out / name).write_text("earlier\n")
+    (out / "records-dir.jsonl").mkdir()  # not a file: left alone
+    records = {"random": [rec(0, "b", 0.0, 0.9, 1.9)]}
+    summary = {"random": summarize(records["random"], ["a", "b"])}
+    written = report.write(out, summary, records, {}, {})
+    assert sorted(p.name for p in out.iterdir()) == [
+        "hit_rates.png",
+        "notes.txt",
+        "records-dir.jsonl",
+        "records-old.json",
+        "records-random.jsonl",
+        "summary.json",
+        "ttft_cdf.png",
+    ]
+    assert (
+        out / "records-random.jsonl"
+    ).read_text() != "earlier\n" and out / "records-random.jsonl" in written
+    assert (out / "notes.txt").read_text() == "earlier\n" == (out / "records-old.json").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import pathlib
 import random
 
@@ -11,6 +12,7 @@ import pytest
 
 from simulator.traces import (
     MOONCAKE_BLOCK,
+    TokenSource,
     TraceError,
     agentic,
     arrivals,
@@ -191,3 +193,124 @@ def test_a_bad_gamma_cv_is_refused_before_any_arrival() -> None:
             arrivals(1, 1.0, random.Random(0), "gamma", cv=cv)
     with pytest.raises(ValueError, match="poisson or gamma"):
         arrivals(0, 1.0, random.Random(0), "uniform")
+
+
+def mooncake_line(ts: object, n_in: int = 100, n_out: int = 10, ids: object = (1,)) -> str:
+    return json.dumps({"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": list(ids)})  # type: ignore[call-overload]
+
+
+def test_mooncake_epoch_timestamps_start_at_zero() -> None:
+    """Absolute (epoch ms) timestamps become seconds from the first request, as Azure's do."""
+    text = "".join(
+        mooncake_line(ts) + "\n" for ts in (1_700_000_000_500, 1_700_000_000_000, 1_700_000_002_000)
+    )
+    trace = read_mooncake(text, "epoch.jsonl")
+    assert [r.arrival for r in trace] == [0.0, 0.5, 2.0]
+    assert [r.index for r in trace] == [0, 1, 2]
+    relative = read_mooncake("".join(mooncake_line(ts) + "\n" for ts in (500, 0, 2000)), "rel.jsonl")
+    assert [r.arrival for r in relative] == [r.arrival for r in trace]
+    later = read_mooncake(mooncake_line(3000) + "\n" + mooncake_line(4000) + "\n", "late.jsonl")
+    assert [r.arrival for r in later] == [0.0, 1.0]  # a trace starting late starts at 0 too
+
+
+def test_a_byte_order_mark_before_a_mooncake_trace_is_skipped() -> None:
+    body = mooncake_line(0) + "\n" + mooncake_line(5, n_in=600, ids=[1, 2]) + "\n"
+    with_bom = read_mooncake("\ufeff" + body, "bom.jsonl")
+    plain = read_mooncake(body, "bom.jsonl")
+    assert [(r.arrival, r.output_tokens) for r in with_bom] == [(0.0, 10), (0.005, 10)]
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(with_bom, plain, strict=True))
+    with pytest.raises(TraceError) as err:  # line numbers are unchanged
+        read_mooncake("\ufeff" + mooncake_line(0) + "\nnot json\n", "bom.jsonl")
+    assert str(err.value).startswith("bom.jsonl:2: not JSON")
+
+
+@pytest.mark.parametrize(
+    "ts",
+    [10**400, -(10**400), 1e308 * 10, float("nan"), True, "0"],
+    ids=["huge", "-huge", "inf", "nan", "bool", "str"],
+)
+def test_a_mooncake_timestamp_that_is_no_finite_number_names_the_line(ts: object) -> None:
+    with pytest.raises(TraceError) as err:
+        read_mooncake(mooncake_line(0) + "\n" + mooncake_line(ts) + "\n", "t.jsonl")
+    message = str(err.value)
+    assert message.startswith("t.jsonl:2: 'timestamp' must be a finite number of ms >= 0, got ")
+    assert len(message) < 120  # a 401-digit number is shortened
+
+
+def test_requests_that_do_not_fit_are_refused_before_their_tokens_are_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[int, int]] = []
+
+    def fits(prompt: int, output: int) -> str | None:
+        asked.append((prompt, output))
+        return "too big" if prompt + output - 1 > 1000 else None
+
+    built: list[int] = []
+    real = TokenSource.tokens
+
+    def tokens(self: TokenSource, kind: str, content_id: int, length: int) -> np.ndarray:
+        built.append(length)
+        return real(self, kind, content_id, length)
+
+    monkeypatch.setattr(TokenSource, "tokens", tokens)
+    head = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    with pytest.raises(TraceError) as err:
+        read_azure(f"{head}0,100,10\n1,10000000000000,10\n", "a.csv", fits=fits)
+    assert str(err.value) == "a.csv:3: too big"
+    assert asked == [(100, 10), (10**13, 10)] and built == [100]  # never 10^13 tokens
+    assert [len(r.prompt) for r in read_azure(f"{head}0,991,10\n", "a.csv", fits=fits)] == [991]
+    built.clear()
+    with pytest.raises(TraceError) as err:
+        read_mooncake(
+            mooncake_line(0) + "\n" + mooncake_line(1, 1000, 2, [1, 2]) + "\n", "m.jsonl", fits=fits
+        )
+    assert str(err.value) == "m.jsonl:2: too big" and built == [MOONCAKE_BLOCK]
+    assert len(read_mooncake(mooncake_line(0, 1000, 1, [1, 2]), "m.jsonl", fits=fits)[0].prompt) == 1000
+
+
+def test_azure_iso_timestamps_keep_their_utc_offset() -> None:
+    head = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    rows = [
+        "2023-11-16T18:15:46.12+05:30",  # 12:45:46.12 UTC
+        "2023-11-16 12:45:47.1234567+00:00",  # 7 fractional digits and an offset
+        "2023-11-16T12:45:48Z",
+        "2023-11-16T13:45:49.5+01:00",  # 12:45:49.5 UTC
+    ]
+    trace = read_azure(head + "".join(f"{t},5,1\n" for t in rows), "tz.csv")
+    assert [r.arrival for r in trace] == pytest.approx([0.0, 1.003456, 1.88, 3.38], abs=1e-6)
+    naive = ["2023-11-16 18:15:46.6805900", "2023-11-16 18:15:47.68059001", "2023-11-16T18:15:49"]
+    trace = read_azure(head + "".join(f"{t},5,1\n" for t in naive), "naive.csv")
+    assert [r.arrival for r in trace] == pytest.approx([0.0, 1.0, 2.31941], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "fragment"),
+    [
+        (
+            "2023-11-16 18:15:46",
+            "2023-11-16 18:15:47+00:00",
+            "with a UTC offset but line 2's is a date-time without",
+        ),
+        (
+            "2023-11-16T18:15:46Z",
+            "2023-11-16 18:15:47",
+            "without a UTC offset but line 2's is a date-time with",
+        ),
+        ("12.5", "2023-11-16 18:15:47", "without a UTC offset but line 2's is a number of seconds"),
+    ],
+)
+def test_azure_timestamps_of_mixed_kinds_name_the_line(first: str, second: str, fragment: str) -> None:
+    text = f"TIMESTAMP,ContextTokens,GeneratedTokens\n{first},5,1\n{second},5,1\n"
+    with pytest.raises(TraceError) as err:
+        read_azure(text, "mixed.csv")
+    assert str(err.value).startswith("mixed.csv:3: TIMESTAMP is a ") and fragment in str(err.value)
+
+
+def test_azure_timestamps_too_far_apart_name_the_line() -> None:
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens\n0,5,1\n1e308,5,1\n-1e308,5,1\n"
+    with pytest.raises(TraceError) as err:
+        read_azure(text, "far.csv")
+    message = str(err.value)
+    assert message.startswith("far.csv:3: TIMESTAMP 1e+308 s is too far after the earliest one")
+    assert "line 4" in message
