@@ -13,10 +13,11 @@ degraded ones still do (the index under-reports at worst).
   `restart_without_replay` (the engine restarted and its first events were missed), `silent`
   (no events for `silence` seconds while the engine's prefix-cache misses keep rising).
 - degraded: `replaying` (a gap is being replayed), `joined_late` (first seen mid-stream, or
-  reachable again after a lost connection, without replay: the index under-reports until
-  `recovery` has passed), `orphans`, `malformed`, `dropped` or `unknown_model` (within the last
-  `hold` seconds), `lagging` (events older than `lag_degraded` seconds when received),
-  `no_events` (connected, nothing received yet).
+  reachable again after a lost connection, without replay, or replayed from an engine buffer that
+  no longer reaches back to the stream's start: the index under-reports until `recovery` has
+  passed), `orphans`, `malformed`, `dropped` or `unknown_model` (within the last `hold` seconds),
+  `lagging` (events older than `lag_degraded` seconds when received), `no_events` (connected,
+  nothing received yet).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class FreshnessTracker:
 
     # -- what the subscriber reports -----------------------------------------------------
     def connected(self, pod: str, now: float) -> None:
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         p.connected = True
         if p.stale_reason == "publisher_unreachable":
             # Whatever was published meanwhile is lost: treat like a gap the next message reveals.
@@ -96,14 +97,14 @@ class FreshnessTracker:
             p.clean_since = None
 
     def disconnected(self, pod: str, now: float) -> None:
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         p.connected = False
         p.stale_reason = "publisher_unreachable"
         p.clean_since = None
 
     def message(self, pod: str, now: float, lag: float = 0.0) -> None:
         """An event batch was applied in order."""
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         p.last_message_at = now
         p.lag = lag
         p.misses_at_message = p.misses
@@ -112,27 +113,27 @@ class FreshnessTracker:
 
     def lost_events(self, pod: str, now: float) -> None:
         """A message arrived in order but did not decode: the pod's entries were cleared."""
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         p.degraded_reason = "malformed"
         p.degraded_until = now + self.hold
         self._stale(p, "lost_events")
 
     def gap(self, pod: str, now: float, replaying: bool) -> None:
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         if replaying:
             p.replaying = True
         else:
             self._stale(p, "unrecovered_gap")
 
     def replay_done(self, pod: str, now: float, complete: bool) -> None:
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         p.replaying = False
         if not complete:
             self._stale(p, "unrecovered_gap")
 
     def restart(self, pod: str, now: float, recovered: bool) -> None:
         """The engine restarted; `recovered`: no event of the new run was missed (seq 0 seen, or replayed)."""
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         p.joined_late_at = None
         if recovered:
             if p.stale_reason in ("unrecovered_gap", "restart_without_replay"):
@@ -141,17 +142,18 @@ class FreshnessTracker:
             self._stale(p, "restart_without_replay")
 
     def joined_late(self, pod: str, now: float) -> None:
-        self._pod(pod).joined_late_at = now
+        self._pod(pod, now).joined_late_at = now
 
     def problem(self, pod: str, now: float, reason: str) -> None:
         """A transient problem: `orphans`, `malformed`, `dropped`."""
-        p = self._pod(pod)
+        p = self._pod(pod, now)
         p.degraded_reason = reason
         p.degraded_until = now + self.hold
 
-    def engine_misses(self, pod: str, misses: float) -> None:
-        """The engine's prefix-cache misses in tokens (queries - hits), from its metrics."""
-        p = self._pod(pod)
+    def engine_misses(self, pod: str, misses: float, now: float | None = None) -> None:
+        """The engine's prefix-cache misses in tokens (queries - hits), from its metrics. `now` starts
+        the pod's silence clock if this is the first that is heard of it (without, it started at 0)."""
+        p = self._pod(pod, 0.0 if now is None else now)
         if p.misses is not None and misses < p.misses and p.misses_at_message is not None:
             # The counter went back: a new engine process, counting from 0 since it started. Misses
             # since the last message are then at most `misses`, so the baseline becomes 0.

@@ -9,6 +9,13 @@ answers again may be a new engine process, so the pod's blocks are forgotten the
 is taken up as a new one. Nothing here blocks or performs I/O, so the simulator drives the same
 code with modelled delays.
 
+Replays: a replay from 0 of a publisher with nothing applied (new, or its blocks forgotten at a
+reconnect or restart) may find the engine's buffer starting past 0 (a long-running engine): that
+suffix is applied, which can only under-report, and the pod is `joined_late`. A seq skipped anywhere
+else is a hole: the replay is incomplete and the pod cleared. Live messages lost while a replay runs
+(after the engine answered) leave a hole among the held ones: `replay_ended` asks for another replay
+from it (`MAX_CHAINED_REPLAYS`), and the outcome is counted once that is settled.
+
 A message is read by the compiled scan (`event_scan.py`; `decode_batch` when the scan does not take it)
 into runs of consecutive events, applied in order: each run of BlockStored of one tier and model in one
 `BlockIndex.store_run` call, each run of BlockRemoved of one tier in one `BlockIndex.discard` (its lookups
@@ -43,6 +50,9 @@ ModelOf = Callable[[str], str | None]
 MAX_DP_RANKS = 1024
 """Data-parallel ranks per pod: a batch claiming another rank is dropped (`field_type`), so a
 publisher cannot make the per-publisher state grow without bound."""
+MAX_CHAINED_REPLAYS = 3
+"""Replays started one after another when live messages were lost while a replay ran (a hole among the
+held messages that the engine may still buffer), before the replay is given up as incomplete."""
 MAX_UNKNOWN_TIERS = 16
 """Distinct unknown tier names counted per pod; further ones are counted under `OTHER_TIER`."""
 OTHER_TIER = "other"
@@ -82,6 +92,14 @@ class _Publisher:
     replaying: bool = False
     restart_pending: bool = False  # a restart is being healed by this replay
     replay_hole: bool = False  # the replay skipped a seq: it cannot be complete
+    replay_from: int = 0  # where the current replay (of a chain) started
+    # The replay is from 0 and nothing of this stream is applied (a new publisher, or its blocks forgotten
+    # at a reconnect or restart): a first replayed seq > 0 is the engine's buffer no longer reaching back
+    # to 0, a suffix of the stream applied to an empty state (the index under-reports), not a hole.
+    from_empty: bool = False
+    late: bool = False  # such a suffix was taken: the pod is `joined_late` once the replay ends
+    chained: int = 0  # replays chained after this one's end marker (`MAX_CHAINED_REPLAYS`)
+    counted_hole: int | None = None  # the hole among held messages last counted as a gap
     lost_contact: bool = False  # the connection dropped: whoever answers next may be a new engine process
     prev_last: int | None = None  # the last seq before contact was lost, until the next message is seen
     # Live messages (and replayed ones past the first of them) waiting for the replay to end: (seq, payload,
@@ -291,10 +309,19 @@ class KvIngest:
         topic_model: str | None,
         now: float,
     ) -> NeedReplay:
-        pub.replaying = True
+        self._begin_replay(pub, from_seq)
         self._hold(pub, seq, payload, topic_model)
         self.freshness.gap(pod, now, replaying=True)
         return NeedReplay(pod, rank, from_seq)
+
+    @staticmethod
+    def _begin_replay(pub: _Publisher, from_seq: int) -> None:
+        pub.replaying = True
+        pub.replay_from = from_seq
+        pub.from_empty = from_seq == 0 and pub.seq.last is None
+        pub.late = False
+        pub.chained = 0
+        pub.counted_hole = None
 
     def _hold(self, pub: _Publisher, seq: int, payload: bytes, topic_model: str | None) -> bool:
         """Keep a message for the end of the replay, in seq order (a seq held already is kept once);
@@ -330,7 +357,7 @@ class KvIngest:
         if pub.seq.last is not None or pub.replaying:
             return None
         pub.prev_last = None  # replayed from its start: nothing to compare the next message with
-        pub.replaying = True
+        self._begin_replay(pub, 0)
         self.freshness.gap(pod, now, replaying=True)
         return NeedReplay(pod, rank, 0)
 
@@ -355,6 +382,9 @@ class KvIngest:
         pub.replaying = False
         pub.restart_pending = False
         pub.replay_hole = False
+        pub.from_empty = pub.late = False
+        pub.chained = 0
+        pub.counted_hole = None
 
     # -- replay ----------------------------------------------------------------------------
     def on_replayed(
@@ -372,7 +402,12 @@ class KvIngest:
             return _APPLIED[0]
         expected = 0 if pub.seq.last is None else pub.seq.last + 1
         if seq != expected:
-            pub.replay_hole = True
+            if pub.seq.last is None and pub.from_empty:
+                # The engine's buffer no longer holds the stream's start: what it holds is applied to
+                # an empty state (blocks stored before are missing, none is left behind).
+                pub.late = True
+            else:
+                pub.replay_hole = True
         try:
             batch = decode(payload)
         except DecodeError as err:
@@ -381,47 +416,84 @@ class KvIngest:
             return self.drop(pod, err.reason, now, str(err))
         return self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
 
+    def replay_ended(self, pod: str, rank: int, now: float) -> NeedReplay | None:
+        """The replay's end marker arrived. If live messages were lost while it ran (a hole among the
+        messages held, after what the engine had sent), the engine may still buffer them: returns the
+        replay to run next, from the hole (at most `MAX_CHAINED_REPLAYS` in a row, and not again from
+        where the last one started, which did not have it). None: call `replay_finished`."""
+        pub = self._publishers.get((pod, rank))
+        if pub is None or not pub.replaying or pub.replay_hole:
+            return None
+        hole = self._held_hole(pub)
+        if hole is None:
+            return None
+        self._count_hole(pod, pub, hole)
+        if pub.chained >= MAX_CHAINED_REPLAYS or hole == pub.replay_from:
+            return None
+        pub.chained += 1
+        pub.replay_from = hole
+        return NeedReplay(pod, rank, hole)
+
+    def _held_hole(self, pub: _Publisher) -> int | None:
+        """The first seq missing between what is applied and the held messages, or among them; None when
+        applying them in order leaves no gap."""
+        cur = pub.seq.last
+        for seq, _, _ in pub.held:
+            if cur is None:
+                if seq != 0 and not pub.from_empty:
+                    return 0
+            elif seq <= cur:
+                continue
+            elif seq != cur + 1:
+                return cur + 1
+            cur = seq
+        return None
+
+    def _count_hole(self, pod: str, pub: _Publisher, hole: int) -> None:
+        if pub.counted_hole != hole:
+            pub.counted_hole = hole
+            self._counters(pod).gaps += 1
+
     def replay_finished(self, pod: str, rank: int, now: float, complete: bool) -> int:
         """End a replay (`complete`: the end marker arrived) and apply the held live messages in order.
-        Returns how many held messages were applied."""
+        The replay counts as complete when nothing is missing: no seq skipped in what was replayed, and
+        none between that and the held messages, nor among them. Returns how many held messages were
+        applied."""
         pub = self._publisher(pod, rank)
+        hole = self._held_hole(pub)
+        if hole is not None and complete and not pub.replay_hole:
+            self._count_hole(pod, pub, hole)  # live messages were lost while replaying
+        ok = complete and hole is None and not pub.replay_hole
+        late = ok and (pub.late or (pub.seq.last is None and bool(pub.held) and pub.held[0][0] != 0))
         held = list(pub.held)
         pub.held.clear()
         pub.held_bytes = 0
         pub.replaying = False
-        first_held = held[0][0] if held else None
-        last = pub.seq.last
-        covered = (
-            first_held is None
-            or (last is not None and last + 1 >= first_held)
-            or (last is None and first_held == 0)
-        )
-        ok = complete and covered and not pub.replay_hole
         pub.replay_hole = False
+        pub.from_empty = pub.late = False
+        pub.chained = 0
+        pub.counted_hole = None
         self._counters(pod).replays["complete" if ok else "incomplete"] += 1
         if pub.restart_pending:
             pub.restart_pending = False
             self.freshness.restart(pod, now, recovered=ok)
         self.freshness.replay_done(pod, now, complete=ok)
+        if late:
+            # Only a suffix of the stream was there to replay: the index under-reports, as for a
+            # publisher first heard from mid-stream without replay.
+            self.freshness.joined_late(pod, now)
         if not ok:
             self.index.clear_pod(pod)  # events are missing: keep no blocks that may have been evicted
         applied = 0
         for seq, payload, topic_model in held:
             if pub.seq.already_applied(seq):
                 continue
-            if pub.seq.last is not None and seq > pub.seq.last + 1 and ok:
-                # Live messages were lost while replaying: nothing left to replay them from here.
-                self._counters(pod).gaps += 1
-                self.index.clear_pod(pod)
-                self.freshness.gap(pod, now, replaying=False)
-                ok = False
             try:
                 batch = decode(payload)
             except DecodeError as err:  # a message held undecoded: its events are lost
                 pub.seq.advance(seq)
                 self.drop(pod, err.reason, now, str(err))
                 self._lost(pod, now)
-                ok = False
                 continue
             self._apply(pod, pub, seq, batch, topic_model, now, 0.0)
             applied += 1

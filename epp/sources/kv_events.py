@@ -12,8 +12,17 @@ Replay (optional): a DEALER to the engine's ROUTER at `<pod-ip>:<replay port + r
 `[b"", start_seq]` and reads one message per buffered batch until the end marker.
 
 Receiving: once a message has arrived, whatever else is queued on the socket is drained with plain
-non-blocking receives (yielding to the event loop every few dozen messages); when the socket is idle,
-the index's batched work is flushed, so requests do not pay for it.
+non-blocking receives (yielding to the event loop every 64 messages, counted across bursts); when the
+socket is idle, the index's batched work is flushed, so requests do not pay for it.
+
+Topics: in per-pod mode a message whose topic names another endpoint of the pool on the same host (an
+InferencePool with several target ports) is that endpoint's and is skipped; one naming an endpoint or
+host of the pool elsewhere is a misconfigured publisher: dropped and counted (`foreign_topic`). The
+same rule applies to replayed messages.
+
+Sockets: each per-pod stream takes three ZeroMQ sockets (SUB, libzmq's monitor socket, the monitor's
+PAIR), each replay a DEALER; the context allows `MAX_SOCKETS`. A stream whose sockets cannot be
+opened (file descriptors exhausted) is closed again, logged, and tried again at the next sync.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import zmq
@@ -43,6 +53,9 @@ _TOPIC_CACHE = 1024  # parsed topics kept
 # again by itself; a replay attempt fails). Not in per-pod mode: there the EPP's SUB connects, and
 # ZeroMQ does not reconnect after refusing a message.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_SOCKETS = 65536
+"""ZeroMQ sockets allowed in the subscriber's context (libzmq's default, 1023, is 341 per-pod streams);
+capped at what libzmq supports. The process also needs a file descriptor per socket and connection."""
 
 
 def split_host(pod: str) -> str:
@@ -53,6 +66,15 @@ def split_host(pod: str) -> str:
 def endpoint_url(pod: str, port: int) -> str:
     host = pod.rpartition(":")[0]
     return f"tcp://{host}:{port}"
+
+
+def host_of(where: str) -> str:
+    """The host of a topic's `<ip:port>` or `<ip>` (`[v6]:port`, bare IPv6 and names included)."""
+    if where.startswith("["):
+        return where[1:].partition("]")[0]
+    if where.count(":") == 1:
+        return where.partition(":")[0]
+    return where
 
 
 def parse_topic(topic: str) -> tuple[str | None, str | None]:
@@ -76,6 +98,10 @@ class _RateLimitedLog:
         if now - self._last.get(key, -1e9) >= self.every:
             self._last[key] = now
             log.warning(msg, *args)
+
+    def forget(self, pod: str) -> None:
+        for key in [k for k in self._last if k[0] == pod]:
+            del self._last[key]
 
 
 class KvEventSubscriber:
@@ -105,6 +131,8 @@ class KvEventSubscriber:
         self.settings = settings
         self.wall = wall
         self.ctx = zmq.asyncio.Context()
+        # Before any socket: the default (1023) would stop at 341 per-pod streams.
+        self.ctx.set(zmq.MAX_SOCKETS, min(MAX_SOCKETS, self.ctx.get(zmq.SOCKET_LIMIT)))
         # (pod, rank) -> (SUB socket, its monitor socket, their tasks)
         self._streams: dict[
             tuple[str, int], tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, list[asyncio.Task[None]]]
@@ -114,6 +142,10 @@ class KvEventSubscriber:
         self._central: zmq.asyncio.Socket | None = None
         self._logs = _RateLimitedLog()
         self._topics: dict[bytes, tuple[str | None, str | None]] = {}  # topic frame -> parse_topic
+        self._hosts: dict[str, tuple[str, ...]] = {}  # host -> the pool's endpoints on it
+        self._hosts_size = -1  # endpoints when `_hosts` was built
+        self.socket_errors: Counter[str] = Counter()
+        """Sockets that could not be opened, by what for (`stream`, `replay`): each is tried again."""
         self.bound_endpoint: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -133,6 +165,7 @@ class KvEventSubscriber:
 
     async def stop(self) -> None:
         tasks = list(self._tasks) + list(self._replays.values())
+        self._replays.clear()  # a replay cut short by the shutdown is not ended (counted, pod cleared)
         for _, _, ts in self._streams.values():
             tasks.extend(ts)
         for t in tasks:
@@ -166,12 +199,14 @@ class KvEventSubscriber:
     def sync(self) -> None:
         """Follow the endpoint set: subscribe to new pods (per-pod mode), drop departed ones."""
         now = self.clock.now()
-        known = set(self.datastore.ids())
+        ids = self.datastore.ids()
+        known = set(ids)
+        self._index_hosts(ids)
         for pod in known:
             rec = self.datastore.get(pod)
             if rec is not None and rec.metrics is not None and rec.metrics.prefix_cache_queries is not None:
                 misses = rec.metrics.prefix_cache_queries - (rec.metrics.prefix_cache_hits or 0.0)
-                self.ingest.freshness.engine_misses(pod, misses)
+                self.ingest.freshness.engine_misses(pod, misses, now)
         tracked = (
             {pod for pod, _ in self._streams} | set(self.ingest.counters) | set(self.ingest.freshness.pods())
         )
@@ -185,10 +220,28 @@ class KvEventSubscriber:
                     self._open(pod, rank, now)
 
     def _open(self, pod: str, rank: int, now: float) -> None:
-        sock = self._sub_socket()
-        # Reachable = the ZMTP handshake succeeded (a frozen engine's kernel still accepts TCP connections).
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sock.connect(endpoint_url(pod, self.settings.port + rank))
+        sock: zmq.asyncio.Socket | None = None
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            sock = self._sub_socket()
+            # Reachable = the ZMTP handshake succeeded (a frozen engine's kernel still accepts TCP).
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sock.connect(endpoint_url(pod, self.settings.port + rank))
+        except zmq.ZMQError as err:
+            # Out of sockets or file descriptors: close what was built, and try again at the next sync.
+            if monitor is not None:
+                monitor.close(linger=0)
+            if sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+                sock.close(linger=0)
+            self.socket_errors["stream"] += 1
+            self.ingest.freshness.watch(pod, now)
+            self.ingest.freshness.disconnected(pod, now)  # not listened to: stale (`publisher_unreachable`)
+            failures = sum(self.socket_errors.values())
+            msg = "kv events: cannot open the sockets for %s rank %d (%s; %d socket failures so far): retried"
+            self._logs.warn("", "socket", msg, pod, rank, err, failures)
+            return
         self.ingest.freshness.watch(pod, now)
         tasks = [
             asyncio.create_task(self._recv_loop(sock, pod, rank), name=f"kv-{pod}-{rank}"),
@@ -208,6 +261,7 @@ class KvEventSubscriber:
         for key in [k for k in self._replays if k[0] == pod]:
             self._replays.pop(key).cancel()
         self.ingest.remove_pod(pod)
+        self._logs.forget(pod)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -225,21 +279,22 @@ class KvEventSubscriber:
         drain = zmq.Socket.shadow(sock.underlying).recv_multipart
         handle = self.handle
         flush = self.ingest.index.flush
+        handled = 0  # since the loop last yielded: awaiting a message already queued does not yield
         while True:
             frames = await recv()
-            handled = 0
             while True:
                 try:
                     handle(frames, pod, rank)
                 except Exception:
                     log.exception("kv events: unexpected error handling a message from %s", pod or "central")
                 handled += 1
+                if handled >= _FAIR_SHARE:
+                    handled = 0
+                    await asyncio.sleep(0)  # a long burst: let requests run in between
                 try:
                     frames = drain(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if handled % _FAIR_SHARE == 0:
-                    await asyncio.sleep(0)  # a long burst: let requests run in between
             try:
                 # Nothing else is waiting: apply the index's batched work now rather than make the next
                 # request's lookup pay for it (during a burst, batching continues).
@@ -275,9 +330,7 @@ class KvEventSubscriber:
                 return
         elif self.datastore.get(pod) is None:
             return  # the pod left while this message was queued
-        elif where is not None and where != pod and self.datastore.get(where) is not None:
-            # Several endpoints on one IP (an InferencePool with several target ports) each subscribe
-            # to the IP's publishers: a topic naming another of them (`kv@ip:port@model`) is its own.
+        elif where is not None and where != pod and not self._topic_is_own(where, pod, topic_b, now):
             return
         seq = int.from_bytes(seq_b, "big")
         outcome = self.ingest.on_live(pod, rank, seq, payload, now, topic_model, self.wall())
@@ -293,13 +346,56 @@ class KvEventSubscriber:
             pod, outcome.reason, "kv events from %s dropped (%s): %s", pod, outcome.reason, outcome.detail
         )
 
+    def _topic_is_own(self, where: str, pod: str, topic_b: bytes, now: float) -> bool:
+        """Whether a message on `pod`'s socket whose topic names `where` (not `pod`) counts for `pod`.
+        Several endpoints on one IP (an InferencePool with several target ports) each subscribe to the
+        IP's publishers: a topic naming another of them is that one's, skipped. A topic naming an
+        endpoint or host of the pool elsewhere is a misconfigured publisher (e.g. a literal topic in a
+        Deployment template): dropped and counted, not credited to either. Other names (this host, or
+        names the pool does not use) are the pod's own."""
+        host = split_host(pod)
+        if self.datastore.get(where) is not None:
+            if split_host(where) == host:
+                return False
+        else:
+            named = host_of(where)
+            if named == host or not self._endpoints_on(named):
+                return True
+        topic = topic_b.decode(errors="replace")
+        self._drop(pod, "foreign_topic", now, f"topic {topic!r} names another host than {pod}'s")
+        return False
+
     def _pod_of(self, where: str | None) -> str | None:
         if where is None:
             return None
         if self.datastore.get(where) is not None:
             return where
-        matches = [p for p in self.datastore.ids() if split_host(p) == where]
+        matches = self._endpoints_on(where)
         return matches[0] if len(matches) == 1 else None
+
+    def _endpoints_on(self, host: str) -> tuple[str, ...]:
+        """The pool's endpoints on `host`, from a map rebuilt at each sync (discovery syncs at every
+        change), when an endpoint it lists is gone, or on a miss when the number of endpoints changed."""
+        found = self._hosts.get(host)
+        get = self.datastore.get
+        if found is not None and all(get(p) is not None for p in found):
+            return found
+        ids = self.datastore.ids()
+        if found is not None or len(ids) != self._hosts_size:
+            self._index_hosts(ids)
+            found = self._hosts.get(host)
+        if found is None:
+            if len(self._hosts) >= self._hosts_size + _TOPIC_CACHE:
+                self._index_hosts(ids)  # (misses remembered: bounded)
+            found = self._hosts[host] = ()  # remembered until the next rebuild
+        return found
+
+    def _index_hosts(self, ids: list[str]) -> None:
+        hosts: dict[str, list[str]] = {}
+        for p in ids:
+            hosts.setdefault(split_host(p), []).append(p)
+        self._hosts = {h: tuple(ps) for h, ps in hosts.items()}
+        self._hosts_size = len(ids)
 
     def _drop(self, pod: str, reason: str, now: float, detail: str) -> None:
         self._log_dropped(pod, self.ingest.drop(pod, reason, now, detail))
@@ -346,11 +442,18 @@ class KvEventSubscriber:
             deadline = loop.time() + self.model_wait
             while self.ingest.model_of(need.pod) is None and loop.time() < deadline:
                 await asyncio.sleep(0.05)  # live messages are held meanwhile
-            for _attempt in range(s.replay_retries + 1):
+            attempts = s.replay_retries + 1
+            while attempts > 0:
+                attempts -= 1
                 done, next_seq = await self._replay_once(url, need, next_seq)
-                if done:
+                if not done:
+                    continue
+                # Live messages lost while this replay ran may still be in the engine's buffer.
+                again = self.ingest.replay_ended(need.pod, need.rank, self.clock.now())
+                if again is None:
                     complete = True
                     break
+                next_seq, attempts = again.from_seq, s.replay_retries + 1
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -366,12 +469,24 @@ class KvEventSubscriber:
                     self._logs.warn(need.pod, "replay", "kv events replay from %s incomplete", need.pod)
 
     async def _replay_once(self, url: str, need: NeedReplay, start: int) -> tuple[bool, int]:
-        sock = self.ctx.socket(zmq.DEALER)
-        if self.settings.mode == "central":  # one socket per attempt: a refused message fails the attempt
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(url)
+        try:
+            sock = self.ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as err:  # out of sockets or file descriptors: a failed attempt, retried
+            self.socket_errors["replay"] += 1
+            failures = sum(self.socket_errors.values())
+            msg = "kv events: cannot open a replay socket for %s (%s; %d socket failures so far)"
+            self._logs.warn("", "replay_socket", msg, need.pod, err, failures)
+            await asyncio.sleep(self.settings.replay_timeout)
+            return False, start
+        try:
+            if self.settings.mode == "central":  # one socket per attempt: a refused message fails it
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(url)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         timeout_ms = int(self.settings.replay_timeout * 1000)
         next_seq = start
         try:
@@ -396,12 +511,18 @@ class KvEventSubscriber:
                 seq = int.from_bytes(seq_b, "big")
                 if seq == END_OF_REPLAY:
                     return True, next_seq
-                _, topic_model = parse_topic(topic_b.decode(errors="replace"))
+                where, topic_model = parse_topic(topic_b.decode(errors="replace"))
+                next_seq = max(next_seq, seq + 1)
+                if (
+                    where is not None
+                    and where != need.pod
+                    and not self._topic_is_own(where, need.pod, topic_b, self.clock.now())
+                ):
+                    continue  # another endpoint's on this host (skipped), or a foreign topic (dropped)
                 outcome = self.ingest.on_replayed(
                     need.pod, need.rank, seq, payload, self.clock.now(), topic_model
                 )
                 if isinstance(outcome, Dropped) and outcome.detail:
                     self._log_dropped(need.pod, outcome)
-                next_seq = max(next_seq, seq + 1)
         finally:
             sock.close(linger=0)
