@@ -1,4 +1,4 @@
-"""Decode-only throughput of engine KV-event batches: the decoder ingestion uses (`ingest.decode`: the
+"""Decode-only throughput of engine KV-event batches: the decoder ingestion uses (`batch_reader.decode`: the
 compiled scan, `event_scan.py`) and msgspec's typed decode into Python objects (`events.decode_batch`).
 
 Encodes N vLLM-shaped batches (each: 8 BlockStored of 16 blocks x 16 tokens, then 4
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from epp.kvindex.batch_reader import decode
 from epp.kvindex.events import decode_batch
-from epp.kvindex.ingest import decode
 from epp.testing.kv_publisher import (
     ArrayBlockRemoved,
     ArrayBlockStored,

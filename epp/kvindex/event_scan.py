@@ -485,9 +485,9 @@ Run = StoredRun | RemovedRun | Cleared
 
 class ScannedBatch(NamedTuple):
     """A batch in the form ingestion applies: runs of events (`Run`); also made from `decode_batch`'s result
-    (`ingest.decode`). `events`: how many events the runs hold; `skipped`: events of KV groups that are not
-    full attention, left out; `partial_groups`: their `group_idx`s (the groups whose BlockRemoved events
-    `ingest.KvIngest` must not apply: an engine publishes a block's hash in every group)."""
+    (`batch_reader.decode`). `events`: how many events the runs hold; `skipped`: events of KV groups that
+    are not full attention, left out; `partial_groups`: their `group_idx`s (the groups whose BlockRemoved
+    events `ingest.KvIngest` must not apply: an engine publishes a block's hash in every group)."""
 
     ts: float
     data_parallel_rank: int | None

@@ -15,10 +15,10 @@ Receiving: once a message has arrived, whatever else is queued on the socket is 
 non-blocking receives (yielding to the event loop every 64 messages, counted across bursts); when the
 socket is idle, the index's batched work is flushed, so requests do not pay for it.
 
-Topics: in per-pod mode a message whose topic names another endpoint of the pool on the same host (an
-InferencePool with several target ports) is that endpoint's and is skipped; one naming an endpoint or
-host of the pool elsewhere is a misconfigured publisher: dropped and counted (`foreign_topic`). The
-same rule applies to replayed messages.
+Topics (`kv_topics.py`): in per-pod mode a message whose topic names another endpoint of the pool on
+the same host (an InferencePool with several target ports) is that endpoint's and is skipped; one
+naming an endpoint or host of the pool elsewhere is a misconfigured publisher: dropped and counted
+(`foreign_topic`). The same rule applies to replayed messages.
 
 Sockets: each per-pod stream takes three ZeroMQ sockets (SUB, libzmq's monitor socket, the monitor's
 PAIR), each replay a DEALER; the context allows `MAX_SOCKETS`. A stream whose sockets cannot be
@@ -43,12 +43,12 @@ from epp.config_sections import KvEventsConfig
 from epp.datastore import Datastore
 from epp.kvindex.ingest import Dropped, KvIngest, NeedReplay
 from epp.kvindex.sequence import END_OF_REPLAY
+from epp.sources.kv_topics import FOREIGN, OWN, TOPIC_CACHE, PoolHosts, endpoint_url, parse_topic
 
 log = logging.getLogger("epp.kv_events")
 
 UNKNOWN_POD = "unknown"
 _FAIR_SHARE = 64  # messages handled in a row before yielding to the event loop
-_TOPIC_CACHE = 1024  # parsed topics kept
 # Central mode: a larger frame makes ZeroMQ drop that publisher's connection (the publisher connects
 # again by itself; a replay attempt fails). Not in per-pod mode: there the EPP's SUB connects, and
 # ZeroMQ does not reconnect after refusing a message.
@@ -56,35 +56,6 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_SOCKETS = 65536
 """ZeroMQ sockets allowed in the subscriber's context (libzmq's default, 1023, is 341 per-pod streams);
 capped at what libzmq supports. The process also needs a file descriptor per socket and connection."""
-
-
-def split_host(pod: str) -> str:
-    host = pod.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") else host
-
-
-def endpoint_url(pod: str, port: int) -> str:
-    host = pod.rpartition(":")[0]
-    return f"tcp://{host}:{port}"
-
-
-def host_of(where: str) -> str:
-    """The host of a topic's `<ip:port>` or `<ip>` (`[v6]:port`, bare IPv6 and names included)."""
-    if where.startswith("["):
-        return where[1:].partition("]")[0]
-    if where.count(":") == 1:
-        return where.partition(":")[0]
-    return where
-
-
-def parse_topic(topic: str) -> tuple[str | None, str | None]:
-    """`kv@<ip:port>@<model>` or `kv@<ip>@<model>` -> (address or ip, model); else (None, None)."""
-    if not topic.startswith("kv@"):
-        return None, None
-    where, sep, model = topic[3:].rpartition("@")
-    if not sep:
-        return topic[3:] or None, None
-    return where or None, model or None
 
 
 class _RateLimitedLog:
@@ -142,8 +113,7 @@ class KvEventSubscriber:
         self._central: zmq.asyncio.Socket | None = None
         self._logs = _RateLimitedLog()
         self._topics: dict[bytes, tuple[str | None, str | None]] = {}  # topic frame -> parse_topic
-        self._hosts: dict[str, tuple[str, ...]] = {}  # host -> the pool's endpoints on it
-        self._hosts_size = -1  # endpoints when `_hosts` was built
+        self._hosts = PoolHosts(datastore.ids, lambda p: datastore.get(p) is not None)
         self.socket_errors: Counter[str] = Counter()
         """Sockets that could not be opened, by what for (`stream`, `replay`): each is tried again."""
         self.bound_endpoint: str | None = None
@@ -201,7 +171,7 @@ class KvEventSubscriber:
         now = self.clock.now()
         ids = self.datastore.ids()
         known = set(ids)
-        self._index_hosts(ids)
+        self._hosts.rebuild(ids)
         for pod in known:
             rec = self.datastore.get(pod)
             if rec is not None and rec.metrics is not None and rec.metrics.prefix_cache_queries is not None:
@@ -318,12 +288,12 @@ class KvEventSubscriber:
             except UnicodeDecodeError:
                 self._drop(pod or UNKNOWN_POD, "bad_topic", now, "topic is not UTF-8")
                 return
-            if len(self._topics) >= _TOPIC_CACHE:
+            if len(self._topics) >= TOPIC_CACHE:
                 self._topics.clear()
             parsed = self._topics[topic_b] = parse_topic(topic)
         where, topic_model = parsed
         if pod is None:
-            pod = self._pod_of(where)
+            pod = self._hosts.pod_of(where)
             if pod is None:
                 topic = topic_b.decode()
                 self._drop(UNKNOWN_POD, "unknown_pod", now, f"topic {topic!r} names no endpoint of the pool")
@@ -347,55 +317,13 @@ class KvEventSubscriber:
         )
 
     def _topic_is_own(self, where: str, pod: str, topic_b: bytes, now: float) -> bool:
-        """Whether a message on `pod`'s socket whose topic names `where` (not `pod`) counts for `pod`.
-        Several endpoints on one IP (an InferencePool with several target ports) each subscribe to the
-        IP's publishers: a topic naming another of them is that one's, skipped. A topic naming an
-        endpoint or host of the pool elsewhere is a misconfigured publisher (e.g. a literal topic in a
-        Deployment template): dropped and counted, not credited to either. Other names (this host, or
-        names the pool does not use) are the pod's own."""
-        host = split_host(pod)
-        if self.datastore.get(where) is not None:
-            if split_host(where) == host:
-                return False
-        else:
-            named = host_of(where)
-            if named == host or not self._endpoints_on(named):
-                return True
-        topic = topic_b.decode(errors="replace")
-        self._drop(pod, "foreign_topic", now, f"topic {topic!r} names another host than {pod}'s")
-        return False
-
-    def _pod_of(self, where: str | None) -> str | None:
-        if where is None:
-            return None
-        if self.datastore.get(where) is not None:
-            return where
-        matches = self._endpoints_on(where)
-        return matches[0] if len(matches) == 1 else None
-
-    def _endpoints_on(self, host: str) -> tuple[str, ...]:
-        """The pool's endpoints on `host`, from a map rebuilt at each sync (discovery syncs at every
-        change), when an endpoint it lists is gone, or on a miss when the number of endpoints changed."""
-        found = self._hosts.get(host)
-        get = self.datastore.get
-        if found is not None and all(get(p) is not None for p in found):
-            return found
-        ids = self.datastore.ids()
-        if found is not None or len(ids) != self._hosts_size:
-            self._index_hosts(ids)
-            found = self._hosts.get(host)
-        if found is None:
-            if len(self._hosts) >= self._hosts_size + _TOPIC_CACHE:
-                self._index_hosts(ids)  # (misses remembered: bounded)
-            found = self._hosts[host] = ()  # remembered until the next rebuild
-        return found
-
-    def _index_hosts(self, ids: list[str]) -> None:
-        hosts: dict[str, list[str]] = {}
-        for p in ids:
-            hosts.setdefault(split_host(p), []).append(p)
-        self._hosts = {h: tuple(ps) for h, ps in hosts.items()}
-        self._hosts_size = len(ids)
+        """Whether a message on `pod`'s socket whose topic names `where` (not `pod`) counts for `pod`
+        (`kv_topics.PoolHosts.owner`); a foreign one is dropped and counted."""
+        owner = self._hosts.owner(where, pod)
+        if owner == FOREIGN:
+            topic = topic_b.decode(errors="replace")
+            self._drop(pod, "foreign_topic", now, f"topic {topic!r} names another host than {pod}'s")
+        return owner == OWN
 
     def _drop(self, pod: str, reason: str, now: float, detail: str) -> None:
         self._log_dropped(pod, self.ingest.drop(pod, reason, now, detail))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from epp.kvindex.batch_reader import runs_of
 from epp.kvindex.event_scan import REMOVED, STORED, ScannedBatch, scan_batch
 from epp.kvindex.events import DecodeError, decode_batch
-from epp.kvindex.ingest import runs_of
 
 _M64 = (1 << 64) - 1
 

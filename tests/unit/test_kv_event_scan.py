@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.kv_decode import make_batches
+from epp.kvindex.batch_reader import decode
 from epp.kvindex.event_scan import CLEARED, REMOVED, STORED, scan_batch
 from epp.kvindex.events import DecodeError
 from epp.kvindex.index import BlockIndex
-from epp.kvindex.ingest import decode
 from epp.testing.kv_scan import same_reading
 
 M64 = (1 << 64) - 1

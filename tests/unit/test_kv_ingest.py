@@ -9,11 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from epp.kvindex import batch_reader
 from epp.kvindex import ingest as ingest_module
+from epp.kvindex.batch_reader import salt_of
 from epp.kvindex.events import KNOWN_TIERS, BlockRemoved, BlockStored, decode_batch
 from epp.kvindex.freshness import Freshness, FreshnessTracker
 from epp.kvindex.index import BlockIndex
-from epp.kvindex.ingest import Applied, Dropped, KvIngest, NeedReplay, salt_of
+from epp.kvindex.ingest import Applied, Dropped, KvIngest, NeedReplay
 from epp.kvindex.keys import block_keys, root_key
 from epp.testing.fakes import FakeClock
 from epp.testing.kv_publisher import cleared, encode_batch, removed, stored
@@ -244,7 +246,7 @@ def test_a_removal_in_a_sliding_window_group_leaves_the_full_attention_block(
     """A hybrid model's engine publishes a block's hash in every KV group. Stores of groups that are not
     full attention are skipped; so are their removals (of the groups seen skipped for the pod), while a
     removal in the full-attention group still removes the block."""
-    monkeypatch.setattr(ingest_module, "SCAN_FROM", 0 if scan else 1 << 30)
+    monkeypatch.setattr(batch_reader, "SCAN_FROM", 0 if scan else 1 << 30)
     ing = make()
     swa = _group_store([1, 2], 1, "sliding_window")
     ing.on_live(P, 0, 0, encode_batch([_group_store([1, 2], 0, "full_attention"), swa]), 1.0)
@@ -673,7 +675,7 @@ def test_skipped_kv_groups_are_distinct_in_order_and_bounded_per_pod() -> None:
     in order of appearance, and the pod remembers at most MAX_PARTIAL_GROUPS of them."""
     events = [_group_store([i + 1], g, "sliding_window") for i, g in enumerate([3, 1, 3, *range(10, 1010)])]
     payload = encode_batch(events)
-    for batch in (ingest_module.decode(payload), ingest_module.runs_of(decode_batch(payload))):
+    for batch in (batch_reader.decode(payload), batch_reader.runs_of(decode_batch(payload))):
         assert batch.partial_groups[:3] == (3, 1, 10) and len(batch.partial_groups) == 1002
     ing = make()
     ing.on_live(P, 0, 0, payload, 1.0)
