@@ -117,7 +117,13 @@ class EppServer:
             KvEventSubscriber(self.datastore, self.ingest, self.clock, kv) if kv.mode != "off" else None
         )
         self.metrics.registry.register(
-            KvIndexCollector(self.kv, self.ingest, self.clock, self._served_models)
+            KvIndexCollector(
+                self.kv,
+                self.ingest,
+                self.clock,
+                self._served_models,
+                self.subscriber.socket_errors if self.subscriber is not None else None,
+            )
         )
         # Plugins are built (and their parameters validated) here, before anything listens.
         self.cost = CostModel(config.cost_model)

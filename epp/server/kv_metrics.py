@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -20,12 +20,14 @@ class KvIndexCollector(Collector):
         ingest: KvIngest,
         clock: Clock,
         served_models: Callable[[], set[str]] | None = None,
+        socket_errors: Mapping[str, int] | None = None,
     ) -> None:
         """`served_models`: the models the pool's endpoints serve (those without a tokenizer get a 0)."""
         self.service = service
         self.ingest = ingest
         self.clock = clock
         self.served_models = served_models
+        self.socket_errors = socket_errors  # the subscriber's, by what for ("stream", "replay")
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock.now()
@@ -111,6 +113,14 @@ class KvIndexCollector(Collector):
         )
         for (model, reason), n in svc.unkeyed.items():
             unkeyed.add_metric([model, reason], n)
+        sockets = CounterMetricFamily(
+            "epp_kv_socket_errors",
+            "ZeroMQ sockets the KV-event subscriber could not open (file descriptors or sockets "
+            "exhausted), by what for: stream (retried at the next sync) or replay (a failed attempt)",
+            labels=["kind"],
+        )
+        for kind in ("stream", "replay"):
+            sockets.add_metric([kind], (self.socket_errors or {}).get(kind, 0))
         yield from (
             size,
             entries,
@@ -124,4 +134,5 @@ class KvIndexCollector(Collector):
             unknown,
             tok,
             unkeyed,
+            sockets,
         )

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, generate_latest
 
 from epp.clock import MonotonicClock
 from epp.config import KvEventsConfig
@@ -25,6 +26,9 @@ from epp.datastore import Datastore
 from epp.kvindex.freshness import Freshness, FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
+from epp.kvindex.prompt import TokenizerRegistry
+from epp.kvindex.service import KvIndexService
+from epp.server.kv_metrics import KvIndexCollector
 from epp.sources.kv_events import _FAIR_SHARE, KvEventSubscriber
 from epp.testing.envoy import free_port
 from epp.testing.kv_publisher import END, KvEventPublisher, encode_batch, removed, stored
@@ -147,6 +151,12 @@ async def test_a_stream_whose_sockets_cannot_be_opened_is_closed_counted_and_ret
             # start() went on; the half-built SUB socket is closed, the pod is not listened to: stale.
             assert r.sub.socket_errors == Counter({"stream": 1})
             assert subs[0].closed
+            exposed = CollectorRegistry()
+            kv = KvIndexService(r.index, r.freshness, TokenizerRegistry({}), BS)
+            exposed.register(KvIndexCollector(kv, r.ingest, r.clock, None, r.sub.socket_errors))
+            text = generate_latest(exposed).decode()
+            assert 'epp_kv_socket_errors_total{kind="stream"} 1.0' in text
+            assert 'epp_kv_socket_errors_total{kind="replay"} 0.0' in text
             assert r.state(POD_A) == (Freshness.STALE, "publisher_unreachable")
             await joined(r, a, POD_A)  # opened at a later sync
             await a.publish([stored([1, 2], None, tokens(2))])
