@@ -24,11 +24,9 @@ effects as applying every event on its own.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import itemgetter
 
 from epp.kvindex.batch_reader import decode
 from epp.kvindex.event_scan import REMOVED, STORED, ScannedBatch
@@ -36,7 +34,8 @@ from epp.kvindex.events import KNOWN_TIERS, DecodeError
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import root_key
-from epp.kvindex.sequence import SeqKind, SequenceTracker
+from epp.kvindex.publisher_state import PublisherState
+from epp.kvindex.sequence import SeqKind
 
 ModelOf = Callable[[str], str | None]
 """pod -> the model it serves (configured, or from its metrics), when known."""
@@ -81,28 +80,6 @@ def applied(events: int) -> Applied:
 
 
 @dataclass(slots=True)
-class _Publisher:
-    seq: SequenceTracker = field(default_factory=SequenceTracker)
-    replaying: bool = False
-    restart_pending: bool = False  # a restart is being healed by this replay
-    replay_hole: bool = False  # the replay skipped a seq: it cannot be complete
-    replay_from: int = 0  # where the current replay (of a chain) started
-    # The replay is from 0 and nothing of this stream is applied (a new publisher, or its blocks forgotten
-    # at a reconnect or restart): a first replayed seq > 0 is the engine's buffer no longer reaching back
-    # to 0, a suffix of the stream applied to an empty state (the index under-reports), not a hole.
-    from_empty: bool = False
-    late: bool = False  # such a suffix was taken: the pod is `joined_late` once the replay ends
-    chained: int = 0  # replays chained after this one's end marker (`MAX_CHAINED_REPLAYS`)
-    counted_hole: int | None = None  # the hole among held messages last counted as a gap
-    lost_contact: bool = False  # the connection dropped: whoever answers next may be a new engine process
-    prev_last: int | None = None  # the last seq before contact was lost, until the next message is seen
-    # Live messages (and replayed ones past the first of them) waiting for the replay to end: (seq, payload,
-    # topic model). Payloads, not decoded batches: a decoded token id costs about ten times its wire size.
-    held: deque[tuple[int, bytes, str | None]] = field(default_factory=deque)
-    held_bytes: int = 0
-
-
-@dataclass(slots=True)
 class PodCounters:
     messages: int = 0
     events: int = 0
@@ -137,7 +114,7 @@ class KvIngest:
         self.replay_available = replay_available
         self.max_held = max_held
         self.max_held_bytes = max_held_bytes  # per publisher; past it (or `max_held`), an overflow
-        self._publishers: dict[tuple[str, int], _Publisher] = {}
+        self._publishers: dict[tuple[str, int], PublisherState] = {}
         self.counters: dict[str, PodCounters] = {}
         self.last_seq: dict[str, int] = {}
         self._roots: dict[tuple[str, str | None], int] = {}
@@ -195,7 +172,7 @@ class KvIngest:
             self._counters(pod).drops["disconnected"] += 1
             return Dropped("disconnected")
         if pub.replaying:
-            if not self._hold(pub, seq, payload, topic_model):
+            if not pub.hold(seq, payload, topic_model, self.max_held, self.max_held_bytes):
                 pub.replay_hole = True  # lost: its replayed copy would not fit either
                 return self.drop(pod, "overflow", now, "too many live messages held while a replay runs")
             return _APPLIED[0]
@@ -241,45 +218,17 @@ class KvIngest:
         self,
         pod: str,
         rank: int,
-        pub: _Publisher,
+        pub: PublisherState,
         from_seq: int,
         seq: int,
         payload: bytes,
         topic_model: str | None,
         now: float,
     ) -> NeedReplay:
-        self._begin_replay(pub, from_seq)
-        self._hold(pub, seq, payload, topic_model)
+        pub.begin_replay(from_seq)
+        pub.hold(seq, payload, topic_model, self.max_held, self.max_held_bytes)
         self.freshness.gap(pod, now, replaying=True)
         return NeedReplay(pod, rank, from_seq)
-
-    @staticmethod
-    def _begin_replay(pub: _Publisher, from_seq: int) -> None:
-        pub.replaying = True
-        pub.replay_from = from_seq
-        pub.from_empty = from_seq == 0 and pub.seq.last is None
-        pub.late = False
-        pub.chained = 0
-        pub.counted_hole = None
-
-    def _hold(self, pub: _Publisher, seq: int, payload: bytes, topic_model: str | None) -> bool:
-        """Keep a message for the end of the replay, in seq order (a seq held already is kept once);
-        False (not kept) past `max_held` messages or `max_held_bytes`, except the first (the replay
-        needs it)."""
-        held = pub.held
-        at = len(held)
-        if held and seq <= held[-1][0]:  # a replayed message, or a live one that came after its replayed copy
-            at = bisect_left(held, seq, key=itemgetter(0))
-            if held[at][0] == seq:
-                return True
-        if held and (len(held) >= self.max_held or pub.held_bytes + len(payload) > self.max_held_bytes):
-            return False
-        if at == len(held):
-            held.append((seq, payload, topic_model))
-        else:
-            held.insert(at, (seq, payload, topic_model))
-        pub.held_bytes += len(payload)
-        return True
 
     def on_connected(self, pod: str, rank: int, now: float) -> NeedReplay | None:
         """A publisher became reachable. With replay, a publisher never heard from is replayed from 0 at
@@ -296,7 +245,7 @@ class KvIngest:
         if pub.seq.last is not None or pub.replaying:
             return None
         pub.prev_last = None  # replayed from its start: nothing to compare the next message with
-        self._begin_replay(pub, 0)
+        pub.begin_replay(0)
         self.freshness.gap(pod, now, replaying=True)
         return NeedReplay(pod, rank, 0)
 
@@ -307,7 +256,7 @@ class KvIngest:
         messages until then are dropped (`disconnected`)."""
         self._publisher(pod, rank).lost_contact = True
 
-    def _reconnected(self, pod: str, pub: _Publisher) -> None:
+    def _reconnected(self, pod: str, pub: PublisherState) -> None:
         """Contact is back after `on_disconnected`: what was sent meanwhile is lost and the engine may
         have restarted (an engine that restarted and stayed idle sends nothing that would tell), so the
         pod's blocks are forgotten and the stream is taken up like a new one. A replay in progress is
@@ -316,14 +265,8 @@ class KvIngest:
         pub.prev_last = pub.seq.last if pub.seq.last is not None else pub.prev_last
         self.index.clear_pod(pod)
         pub.seq.reset()
-        pub.held.clear()
-        pub.held_bytes = 0
-        pub.replaying = False
+        pub.end_replay()
         pub.restart_pending = False
-        pub.replay_hole = False
-        pub.from_empty = pub.late = False
-        pub.chained = 0
-        pub.counted_hole = None
 
     # -- replay ----------------------------------------------------------------------------
     def on_replayed(
@@ -335,7 +278,7 @@ class KvIngest:
         if pub.held and seq >= pub.held[0][0]:
             # Past the first held live message: the live copy is applied from `held` when the replay
             # ends; what the live stream lost in between is merged into `held`, in seq order.
-            if not self._hold(pub, seq, payload, topic_model):
+            if not pub.hold(seq, payload, topic_model, self.max_held, self.max_held_bytes):
                 pub.replay_hole = True
                 return self.drop(pod, "overflow", now, "too many messages held while a replay runs")
             return _APPLIED[0]
@@ -363,7 +306,7 @@ class KvIngest:
         pub = self._publishers.get((pod, rank))
         if pub is None or not pub.replaying or pub.replay_hole:
             return None
-        hole = self._held_hole(pub)
+        hole = pub.held_hole()
         if hole is None:
             return None
         self._count_hole(pod, pub, hole)
@@ -373,22 +316,7 @@ class KvIngest:
         pub.replay_from = hole
         return NeedReplay(pod, rank, hole)
 
-    def _held_hole(self, pub: _Publisher) -> int | None:
-        """The first seq missing between what is applied and the held messages, or among them; None when
-        applying them in order leaves no gap."""
-        cur = pub.seq.last
-        for seq, _, _ in pub.held:
-            if cur is None:
-                if seq != 0 and not pub.from_empty:
-                    return 0
-            elif seq <= cur:
-                continue
-            elif seq != cur + 1:
-                return cur + 1
-            cur = seq
-        return None
-
-    def _count_hole(self, pod: str, pub: _Publisher, hole: int) -> None:
+    def _count_hole(self, pod: str, pub: PublisherState, hole: int) -> None:
         if pub.counted_hole != hole:
             pub.counted_hole = hole
             self._counters(pod).gaps += 1
@@ -399,19 +327,12 @@ class KvIngest:
         none between that and the held messages, nor among them. Returns how many held messages were
         applied."""
         pub = self._publisher(pod, rank)
-        hole = self._held_hole(pub)
+        hole = pub.held_hole()
         if hole is not None and complete and not pub.replay_hole:
             self._count_hole(pod, pub, hole)  # live messages were lost while replaying
         ok = complete and hole is None and not pub.replay_hole
         late = ok and (pub.late or (pub.seq.last is None and bool(pub.held) and pub.held[0][0] != 0))
-        held = list(pub.held)
-        pub.held.clear()
-        pub.held_bytes = 0
-        pub.replaying = False
-        pub.replay_hole = False
-        pub.from_empty = pub.late = False
-        pub.chained = 0
-        pub.counted_hole = None
+        held = pub.end_replay()
         self._counters(pod).replays["complete" if ok else "incomplete"] += 1
         if pub.restart_pending:
             pub.restart_pending = False
@@ -442,7 +363,7 @@ class KvIngest:
     def _apply(
         self,
         pod: str,
-        pub: _Publisher,
+        pub: PublisherState,
         seq: int,
         batch: ScannedBatch,
         topic_model: str | None,
@@ -511,7 +432,7 @@ class KvIngest:
         self.index.clear_pod(pod)
         self.freshness.lost_events(pod, now)
 
-    def _receivers(self, pod: str, rank: int, seq: int) -> list[_Publisher]:
+    def _receivers(self, pod: str, rank: int, seq: int) -> list[PublisherState]:
         """The publisher a message of `pod` with `seq` came from: `rank`'s, or with the rank unknown (-1),
         the pod's publishers whose stream `seq` continues."""
         if rank >= 0:
@@ -522,11 +443,11 @@ class KvIngest:
             if p == pod and pub.seq.last is not None and pub.seq.last + 1 == seq
         ]
 
-    def _publisher(self, pod: str, rank: int) -> _Publisher:
+    def _publisher(self, pod: str, rank: int) -> PublisherState:
         key = (pod, rank)
         pub = self._publishers.get(key)
         if pub is None:
-            pub = self._publishers[key] = _Publisher()
+            pub = self._publishers[key] = PublisherState()
         return pub
 
     def remove_pod(self, pod: str) -> None:
