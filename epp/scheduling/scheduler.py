@@ -50,9 +50,13 @@ class Scheduler:
         saturated; with `filters`, and a single profile, its filters leaving none (they run on a scratch
         cycle state with their own random source: the scheduler's is not drawn from). Raises what
         `schedule` would. The server asks before tokenizing a prompt ahead."""
+        self._refuse(request, candidates, self.clock.now(), filters)
+
+    def _refuse(
+        self, request: InferenceRequest, candidates: Sequence[Endpoint], now: float, filters: bool
+    ) -> None:
         if not candidates:
             raise NoEndpointsError("no endpoints available")
-        now = self.clock.now()
         if request.sheddable and self.saturation.pool_saturated(candidates, now):
             raise PoolSaturatedError("pool is saturated and the request is sheddable")
         if filters and len(self.profiles) == 1:
@@ -60,8 +64,8 @@ class Scheduler:
             profile.filter(CycleState(now=now, rng=random.Random(0)), request, candidates)
 
     def schedule(self, request: InferenceRequest, candidates: Sequence[Endpoint]) -> ScheduleResult:
-        self.precheck(request, candidates)  # (the filters run in the profile)
         now = self.clock.now()
+        self._refuse(request, candidates, now, filters=False)  # (the filters run in the profile)
         profile = self.profiles[self.handler.select(request, self._names)]
         state = CycleState(now=now, rng=self.rng)
         timings: list[PluginTiming] = []
