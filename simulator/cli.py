@@ -39,13 +39,14 @@ from typing import Any
 from tqdm import tqdm
 
 from simulator import policies, report
-from simulator.cluster import ClusterConfig
+from simulator.cluster import MIN_SCRAPE_INTERVAL, ClusterConfig
 from simulator.engine import EngineConfig
 from simulator.engine_replay import EngineReplayError, engine_replay
 from simulator.latency import DEFAULT_PROFILE, PROFILES, LatencyProfile
 from simulator.parallel import replay_parallel
 from simulator.replay import resolve
 from simulator.serving import command as serve_engine
+from simulator.trace_span import LIMIT, first_too_late, scaled_span_error
 from simulator.traces import (
     ARRIVALS,
     Fits,
@@ -238,6 +239,12 @@ def load_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str, str |
         why = fits(len(r.prompt), r.output_tokens)
         if why is not None:
             raise ValueError(f"synthetic:{workload}: generated request {r.index} (in arrival order): {why}")
+    late = first_too_late([r.arrival for r in trace])
+    if late is not None:
+        raise ValueError(
+            f"synthetic:{workload}: generated request {late} (in arrival order) arrives at "
+            f"{trace[late].arrival:.6g} s: {LIMIT}; raise --rate ({rate:g} per s)"
+        )
     return trace, f"synthetic:{workload}", None
 
 
@@ -279,7 +286,12 @@ def _version() -> str:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    names = resolve(args.policies)
+    if not args.scrape_interval >= MIN_SCRAPE_INTERVAL:
+        raise ValueError(
+            f"--scrape-interval must be at least {MIN_SCRAPE_INTERVAL:g} s (1 ms), "
+            f"got {args.scrape_interval:g}"
+        )
+    names = resolve(args.policies, args.scrape_interval)
     if not 0.0 <= args.event_loss < 1.0:
         raise ValueError(f"--event-loss must be in [0, 1), got {args.event_loss}")
     if not 0.0 <= args.event_delay < float("inf"):
@@ -293,6 +305,9 @@ def run_replay(args: argparse.Namespace) -> int:
         )
     trace, source, fmt = load_trace(args)
     if args.rate_scale != 1.0:
+        stretched = scaled_span_error(trace, args.rate_scale, source)
+        if stretched is not None:
+            raise ValueError(stretched)
         trace = scale_rate(trace, args.rate_scale)
     out = pathlib.Path(args.out)
     report.check_out(out, [policies.label(name) for name in names])  # before the simulation, not after it

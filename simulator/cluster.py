@@ -12,6 +12,12 @@ The router never reads an engine's internals — except for the `oracle` policy,
 such: it scrapes every engine at every arrival and sees events at once and without loss, to
 show what staleness costs. A request the router finds no pod for (`SchedulingError`: a filter left
 none) is rejected: recorded with status `rejected`, never served.
+
+While the whole cluster is idle (no request on any engine, no KV-event message waiting) the scrapes
+before the next arrival would read the same metrics, each overwriting the last but for its time stamp:
+the cluster skips to the last of them before the arrival, at the exact time the chain of scrapes reaches
+(`Kernel.repeat_before`), so a trace's long quiet gaps cost nothing and the records are the same byte
+for byte (`tests/unit/test_sim_idle_scrapes.py` compares with every round run).
 """
 
 from __future__ import annotations
@@ -42,12 +48,17 @@ from epp.scheduling.errors import SchedulingError
 from epp.scheduling.scheduler import Scheduler
 from epp.types import ApiKind, Decision, InferenceRequest
 from simulator.engine import Engine, EngineConfig
-from simulator.kernel import Kernel
+from simulator.kernel import Kernel, repeat_before
 from simulator.latency import DEFAULT_PROFILE, LatencyProfile
 from simulator.records import RequestRecord as EngineRecord
 from simulator.records import SimRequest, as_token_array, fed_tokens
 from simulator.results import REJECTED, RequestRecord
 from simulator.traces import TraceRequest
+
+MIN_SCRAPE_INTERVAL = 0.001
+"""Seconds. Shorter scrape intervals are refused: a round per engine every microsecond would take a busy
+run forever, and one below a clock tick (the float64 time's resolution, ~15 ns at the 1e8 s a trace may
+span, `trace_span.py`) would not move the clock at all. Real scrapers run every 10 ms or more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +66,7 @@ class ClusterConfig:
     pods: int = 16
     engine: EngineConfig = field(default_factory=EngineConfig)
     latency: str | LatencyProfile = DEFAULT_PROFILE  # a name in `latency.PROFILES`, or a profile
-    scrape_interval: float = 0.05  # seconds between metric scrapes of each engine
+    scrape_interval: float = 0.05  # seconds between metric scrapes of each engine (>= MIN_SCRAPE_INTERVAL)
     event_delay: float = 0.002  # seconds from an engine publishing KV events to the router applying them
     event_loss: float = 0.0  # fraction of KV-event messages lost
     seed: int = 0
@@ -63,8 +74,11 @@ class ClusterConfig:
     def check(self) -> None:
         if self.pods < 1:
             raise ValueError("pods must be >= 1")
-        if self.scrape_interval <= 0:
-            raise ValueError("scrape interval must be > 0")
+        if not self.scrape_interval >= MIN_SCRAPE_INTERVAL:
+            raise ValueError(
+                f"scrape interval must be at least {MIN_SCRAPE_INTERVAL * 1000:g} ms, "
+                f"got {self.scrape_interval:g} s"
+            )
         if self.event_delay < 0:
             raise ValueError("event delay must be >= 0")
         if not 0.0 <= self.event_loss < 1.0:
@@ -129,11 +143,16 @@ class Cluster:
         cluster: ClusterConfig,
         oracle: bool = False,
         on_done: Callable[[RequestRecord], object] | None = None,
+        skip_idle_scrapes: bool = True,
     ) -> None:
+        """`skip_idle_scrapes=False` runs every scrape round of idle gaps too (the same results, slower;
+        a check, see `_scrape`)."""
         cluster.check()
         self.cfg = cluster
         self.oracle = oracle
         self.on_done = on_done
+        self.skip_idle_scrapes = skip_idle_scrapes
+        self.scrape_rounds = 0  # scrape rounds performed (skipped ones not counted)
         self.kernel = k = Kernel()
         self.model = cluster.engine.model
         self._rng = random.Random(cluster.seed)  # event loss
@@ -169,6 +188,7 @@ class Cluster:
 
     # -- the router's view -------------------------------------------------------------------------
     def _scrape(self) -> None:
+        self.scrape_rounds += 1
         self._receive()
         if self._arrivals_left == 0 and self._pending > 0 and all(e.idle for e in self.engines.values()):
             raise RuntimeError(f"{self._pending} requests were routed but no engine is working on them")
@@ -177,8 +197,26 @@ class Cluster:
             self.datastore.record_metrics(pod, m)
             # as the server's subscriber does: misses rising without events make a pod stale
             self.freshness.engine_misses(pod, (m.prefix_cache_queries or 0.0) - (m.prefix_cache_hits or 0.0))
-        if not self._done():
-            self.kernel.schedule(self.cfg.scrape_interval, self._scrape)
+        if self._done():
+            return
+        k, interval = self.kernel, self.cfg.scrape_interval
+        if self.skip_idle_scrapes and self._arrivals_left > 0 and self._idle():  # (an arrival is scheduled)
+            # Until the next event (an arrival) nothing changes but the scrapes' own time stamps, and each
+            # scrape overwrites the last: only the last round before that event can be seen. Go straight
+            # to it, at the very time the chain of rounds would reach (`repeat_before`); its seq number
+            # still orders it after every event already scheduled, as the chain's round would be.
+            at, rounds = repeat_before(k.now(), interval, k.peek())
+            if rounds > 1:
+                k.at(at, self._scrape)
+                return
+        k.schedule(interval, self._scrape)
+
+    def _idle(self) -> bool:
+        """Nothing can change what a scrape reads before the kernel's next event: no engine has a request
+        or a step pending, and no KV-event message waits in the inbox (one would be applied at a scrape)."""
+        if self._inbox:
+            return False
+        return all(e.idle and not e.waiting and not e.running for e in self.engines.values())
 
     def _publisher(self, pod: str) -> Callable[[int, bytes, float], None]:
         def publish(seq: int, payload: bytes, at: float) -> None:

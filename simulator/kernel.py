@@ -20,6 +20,8 @@ callback in that order. The rules:
   of due work (the cluster's KV-event inbox) orders it exactly as the heap would have.
 
 The kernel implements `epp.clock.Clock` (`now()`), so the production core can run on it.
+`repeat_before` gives, in a few steps, the time a chain of `schedule(delay)` calls (each from the event
+the previous one scheduled) reaches before a limit, so a caller may skip links of the chain exactly.
 """
 
 from __future__ import annotations
@@ -172,3 +174,29 @@ class Kernel:
             callback()
             return True
         return False
+
+
+def repeat_before(start: float, delay: float, limit: float) -> tuple[float, int]:
+    """The last time before `limit` of the chain `start`, `start + delay`, `(start + delay) + delay`, ...
+    (each sum rounded as `schedule(delay)` rounds it, from the time of the event that schedules the
+    next), and its number of delays from `start` (0: `start + delay` is not before `limit`, or does not
+    move the clock). Exactly the float that many additions give, at a cost of a few steps per binade
+    (power of two) crossed: inside a binade, adding a fixed `delay` rounds to a fixed multiple of its
+    ulp (after at most one step, a tie may round either way once), so once two steps agree the chain is
+    an arithmetic progression, all of it exactly representable, up to the binade's end."""
+    t, n = start, 0
+    while True:
+        a = t + delay
+        if not a < limit or not a > t:  # (NaN, or a delay too small to move the clock at t)
+            return t, n
+        b = a + delay
+        c = b + delay
+        step = b - a  # (exact: a and b are in one binade, or b is the next power of two)
+        exponent = math.frexp(a)[1]
+        if c < limit and step > 0 and c - b == step and math.frexp(c)[1] == exponent:
+            top = min(limit, math.ldexp(1.0, exponent))  # a, b, c are in [top / 2, top)
+            jump = math.floor((top - c) / step) - 2  # the last sum from c + (jump - 1) * step is < top
+            if jump > 0:
+                t, n = c + jump * step, n + 3 + jump  # (jump * step < 2**53 ulps: exact, as is the sum)
+                continue
+        t, n = a, n + 1

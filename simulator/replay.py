@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from epp.scheduling.scrape_settings import check_staleness_filters
 from simulator import policies
 from simulator.cluster import Cluster, ClusterConfig, build_router, computed_tokens
 from simulator.kernel import Kernel
@@ -24,11 +25,16 @@ class ReplayResult:
     rejected: dict[str, int]
 
 
-def resolve(names: str | Sequence[str]) -> list[str]:
+def resolve(names: str | Sequence[str], scrape_interval: float | None = None) -> list[str]:
     """`all`, or comma-separated policies: shipped names, or EPP config files (`PATH.yaml`,
     `NAME=PATH.yaml`, read and checked now: their routers are built, as each run builds them).
     ValueError naming the unknown ones, a file that cannot be read, parsed or built (`ConfigError`), two
-    policies going by one name, or `all` beside other policies."""
+    policies going by one name, or `all` beside other policies. With `scrape_interval` (`--scrape-interval`),
+    also a `ConfigError` naming the policy, the plugin and both settings when a profile's
+    metrics-staleness-filter allows metrics younger than the interval, as `epp serve` refuses it (its
+    every request would be rejected; `check_staleness_filters`). Not `oracle`: it scrapes at every
+    arrival. The saturation detector's threshold is not checked: it refuses only sheddable requests
+    (priority < 0), and the simulator sends none."""
     known = policies.names()
     given = names.split(",") if isinstance(names, str) else list(names)
     wanted = [n.strip() for n in given if n.strip()]
@@ -49,7 +55,12 @@ def resolve(names: str | Sequence[str]) -> list[str]:
         if name in seen:
             raise ValueError(f"policies {seen[name]!r} and {spec!r} both go by {name!r}; name one NAME=PATH")
         seen[name] = spec
-        build_router(policies.load(spec), Kernel(), 0)  # every plugin built now, not in a worker later
+        config = policies.load(spec)
+        router = build_router(config, Kernel(), 0)  # every plugin built now, not in a worker later
+        if scrape_interval is not None and spec != policies.ORACLE:
+            check_staleness_filters(
+                config.source, router.scheduler, scrape_interval, flag="--scrape-interval", answer="rejected"
+            )
     return wanted
 
 

@@ -15,7 +15,8 @@ share content, so prefix reuse in the trace becomes prefix reuse in the engines'
 Both readers shift the arrivals so that the first is at 0 (absolute timestamps, such as epoch
 milliseconds, become seconds from the start) and skip a UTF-8 byte order mark. `fits(prompt,
 output)`, when given, is asked about every request before its token ids are built: a message
-(the request does not fit an engine) is a `TraceError` naming the line.
+(the request does not fit an engine) is a `TraceError` naming the line, as is a request arriving more
+than `trace_span.MAX_SPAN_S` (1e8 s) after the earliest one.
 - **Generators**: `shared_prefix` (groups of prompts sharing a system prompt, like
   inference-perf's `shared_prefix`), `multi_turn` (chat sessions whose every turn resends the
   whole conversation so far), `agentic` (loops whose context grows by tool output each step);
@@ -39,6 +40,8 @@ from datetime import UTC, datetime
 
 import numpy as np
 import numpy.typing as npt
+
+from simulator.trace_span import LIMIT, first_too_late
 
 MOONCAKE_BLOCK = 512
 ARRIVALS = ("poisson", "gamma")
@@ -106,6 +109,7 @@ def read_mooncake(
 ) -> list[TraceRequest]:
     tokens = TokenSource(seed)
     out: list[TraceRequest] = []
+    lines: list[int] = []
     for line_no, line in enumerate(io.StringIO(text.removeprefix("\ufeff")), start=1):
         if not line.strip():
             continue
@@ -135,8 +139,24 @@ def read_mooncake(
         parts = [tokens.tokens("mc", i, MOONCAKE_BLOCK) for i in ids[:-1]]
         parts.append(tokens.tokens("mc", ids[-1], MOONCAKE_BLOCK)[:last])
         out.append(TraceRequest(ms / 1000.0, np.concatenate(parts), n_out))
+        lines.append(line_no)
     start = min((r.arrival for r in out), default=0.0)  # epoch timestamps: seconds from the first
-    return _sorted([replace(r, arrival=r.arrival - start) for r in out], source)
+    shifted = [replace(r, arrival=r.arrival - start) for r in out]
+    _check_span(shifted, lines, source, "'timestamp'")
+    return _sorted(shifted, source)
+
+
+def _check_span(trace: list[TraceRequest], lines: list[int], source: str, field: str) -> None:
+    """TraceError naming the line of the first request (in file order) that arrives more than
+    `MAX_SPAN_S` after the earliest one (`trace`'s arrivals are from it)."""
+    late = first_too_late([r.arrival for r in trace])
+    if late is not None:
+        first = lines[min(range(len(trace)), key=lambda k: trace[k].arrival)]
+        raise TraceError(
+            source,
+            lines[late],
+            f"{field} is {trace[late].arrival:.6g} s after the earliest one (line {first}): {LIMIT}",
+        )
 
 
 def _milliseconds(value: object) -> float | None:
@@ -211,6 +231,7 @@ def read_azure(
                 f"{lines[first]}): the time between them is not a finite number of seconds",
             )
         shifted.append(replace(r, arrival=arrival))
+    _check_span(shifted, lines, source, "TIMESTAMP")
     return _sorted(shifted, source)
 
 

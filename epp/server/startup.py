@@ -1,8 +1,9 @@
 """Startup checks and the first-scrape gate of readiness (used by `epp.server.app`).
 
-- `check_scrape_settings`: refuse scrape settings under which the profile's metrics-staleness-filter
-  (or the saturation detector) would count every endpoint stale most of the time, so requests get 429
-  with no other sign: scraping disabled with the filter in a profile, or a staleness threshold below
+- `check_scrape_settings` (pure, in `epp.scheduling.scrape_settings`, which the simulator shares):
+  refuse scrape settings under which the profile's metrics-staleness-filter (or the saturation
+  detector) would count every endpoint stale most of the time, so requests get 429 with no other sign:
+  scraping disabled with the filter in a profile, or a staleness threshold below
   `--refresh-metrics-interval`.
 - `ScrapeRound`: sits in front of the scrape observer and tells readiness when every endpoint has had
   its first scrape attempt (failed attempts count), so the EPP is not ready while the filter would
@@ -15,56 +16,10 @@ import asyncio
 import contextlib
 from collections.abc import Set
 
-from epp.config_sections import ConfigError
-from epp.scheduling.plugins.staleness_filter import MetricsStalenessFilter
-from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.scrape_settings import INTERVAL_FLAG, check_scrape_settings
 from epp.sources.metrics_scrape import ScrapeObserver
 
-INTERVAL_FLAG = "--refresh-metrics-interval"
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1000:g}ms" if value < 1 else f"{value:g}s"
-
-
-def check_scrape_settings(source: str, scheduler: Scheduler, interval: float) -> None:
-    """Raise ConfigError (naming both settings) when the scrape interval defeats a staleness threshold.
-    `interval` <= 0: scraping is disabled."""
-    for profile in scheduler.profiles.values():
-        for named in profile.filters:
-            plugin = named.filter
-            if not isinstance(plugin, MetricsStalenessFilter):
-                continue
-            where = f"profile {profile.name!r}: plugin {plugin.name!r}"
-            if interval <= 0:
-                raise ConfigError(
-                    source,
-                    where,
-                    "",
-                    f"{INTERVAL_FLAG} 0 disables metrics scraping, but {named.type_name} drops endpoints "
-                    "without fresh metrics: every request would get 429. Enable scraping or remove the "
-                    "filter from the profile",
-                )
-            if plugin.max_age < interval:
-                raise ConfigError(
-                    source,
-                    where,
-                    "parameters.maxAge",
-                    f"maxAge {_seconds(plugin.max_age)} is below {INTERVAL_FLAG} {_seconds(interval)}: "
-                    "endpoints' metrics would be older than maxAge for most of each interval, so the filter "
-                    "drops them and requests get 429. Make maxAge at least the interval (a few intervals "
-                    "is safer) or scrape more often",
-                )
-    threshold = scheduler.saturation.metrics_staleness_threshold
-    if interval > 0 and threshold < interval:
-        raise ConfigError(
-            source,
-            "saturationDetector",
-            "metricsStalenessThreshold",
-            f"{_seconds(threshold)} is below {INTERVAL_FLAG} {_seconds(interval)}: endpoints would count as "
-            "saturated (stale metrics) for most of each interval, so sheddable requests get 429. Make "
-            "metricsStalenessThreshold at least the interval or scrape more often",
-        )
+__all__ = ["INTERVAL_FLAG", "ScrapeRound", "check_scrape_settings"]
 
 
 class ScrapeRound:

@@ -109,6 +109,7 @@ def test_the_cli_writes_results(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
         (["--policies", ",,"], "unknown policy (none)"),
         (["--event-loss", "1.5"], "--event-loss"),
         (["--event-delay", "nan"], "--event-delay must be a finite number"),
+        (["--scrape-interval", "1e-9"], "--scrape-interval must be at least 0.001 s (1 ms), got 1e-09"),
         (["--trace", "/nonexistent/trace.jsonl"], "cannot read"),
         (["--num-gpu-blocks", "8"], "an engine holds 112"),
         (["--out", "/proc/no-such-dir/results"], "cannot create the results directory"),
