@@ -15,6 +15,7 @@ ceiling for any ingestion path built on the decoder.
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import statistics
 import time
@@ -44,7 +45,10 @@ def make_batches(n_batches: int, form: str, seed: int, lora: str | None = None) 
     """`n_batches` msgpack payloads as vLLM publishes them; form is "map" or "array".
 
     Each batch: 8 BlockStored (16 blocks of 16 tokens, chained parents, unsigned 64-bit
-    hashes, medium GPU, extra_keys one nil per block, group 0) then 4 BlockRemoved. With `lora`
+    hashes, medium GPU, extra_keys one nil per block, group 0) then 4 BlockRemoved of one block each:
+    evictions of blocks the batches before the last one stored, oldest first (as an engine's LRU frees
+    them; never a block a later event names as its parent, which is always the previous event's last
+    block), so that an index applying them removes blocks it holds. With `lora`
     (map form): a LoRA adapter's events as vLLM 0.18+ sends them, `lora_name` set and the adapter's
     name as every block's extra key."""
     if form not in FORMS:
@@ -54,8 +58,11 @@ def make_batches(n_batches: int, form: str, seed: int, lora: str | None = None) 
     encoder = msgspec.msgpack.Encoder()
     out: list[bytes] = []
     parent: int | None = None
+    stored_before: collections.deque[int] = collections.deque()  # hashes of batches before the last
+    last_batch: list[int] = []
     for n in range(n_batches):
         events: list[object] = []
+        this_batch: list[int] = []
         for _ in range(STORED_PER_BATCH):
             hashes = [rng.getrandbits(64) for _ in range(BLOCKS_PER_STORED)]
             tokens = [rng.randrange(150_000) for _ in range(BLOCKS_PER_STORED * BLOCK_SIZE)]
@@ -73,12 +80,22 @@ def make_batches(n_batches: int, form: str, seed: int, lora: str | None = None) 
                 )
             )
             parent = None if rng.random() < 0.25 else hashes[-1]
+            this_batch.extend(hashes)
         for _ in range(REMOVED_PER_BATCH):
-            events.append(removed(block_hashes=[rng.getrandbits(64)], medium="GPU", group_idx=0))
+            victim = stored_before.popleft() if stored_before else rng.getrandbits(64)
+            events.append(removed(block_hashes=[victim], medium="GPU", group_idx=0))
+        stored_before.extend(last_batch)
+        last_batch = this_batch
         out.append(
             encoder.encode(EventBatch(ts=1_767_225_600.0 + n * 0.01, events=events, data_parallel_rank=0))
         )
     return out
+
+
+def held_after(n_batches: int) -> int:
+    """Blocks an index holds after applying `make_batches(n_batches, ...)` in order: every stored block,
+    less the removals of the batches from the third on (the first two remove blocks never stored)."""
+    return n_batches * STORED_PER_BATCH * BLOCKS_PER_STORED - REMOVED_PER_BATCH * max(0, n_batches - 2)
 
 
 DECODERS: dict[str, Callable[[bytes], object]] = {"scan": decode, "msgspec": decode_batch}

@@ -34,7 +34,7 @@ def runs_of(batch: EventBatch) -> ScannedBatch:
             hashes = list(ev.block_hashes)
             runs.append(
                 (STORED, ev.tier, ev.lora_name, salt, hashes, [ev.parent_block_hash], [len(hashes)],
-                 ev.token_ids, [len(ev.token_ids)], [ev.block_size])
+                 ev.token_ids, [len(ev.token_ids)], [ev.block_size], None)
             )  # fmt: skip
         elif type(ev) is BlockRemoved:
             runs.append((REMOVED, ev.tier, list(ev.block_hashes), ev.group, 1))

@@ -27,6 +27,7 @@ from typing import Any, Final, NamedTuple
 
 import numba
 import numpy as np
+import numpy.typing as npt
 
 from epp.kvindex.events import FULL_ATTENTION_KINDS, GPU, normalize_tier
 from epp.kvindex.packing import StoreTokens
@@ -473,9 +474,11 @@ StoredRun = tuple[
     "StoreTokens",
     list[int],
     list[int],
+    "npt.NDArray[np.uint64] | None",
 ]
 """(STORED, tier, lora_name, tenant salt, engine hashes, parent hash per event, hashes per event, token ids,
-tokens per event, engine block size per event): consecutive BlockStored with the same tier, model and salt."""
+tokens per event, engine block size per event, the engine hashes as a uint64 array or None): consecutive
+BlockStored with the same tier, model and salt. (The scan gives the array: the index queues it as it is.)"""
 RemovedRun = tuple[int, str, list[int], "int | None", int]
 """(REMOVED, tier, engine hashes, KV-cache group or None, events): consecutive BlockRemoved of one tier and
 group."""
@@ -512,7 +515,8 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
     if nruns < 0:
         return None
     w = work[: _HEAD + nruns * _RUN + n * _EVENT].tolist()
-    hl = data[: nh + n].view(np.uint64).tolist()  # block hashes, then the events' parents
+    ha = data[: nh + n].view(np.uint64)  # block hashes, then the events' parents
+    hl = ha.tolist()
     tokens = data[size + cap :]
     out: list[Run] = []
     skipped = 0
@@ -552,6 +556,7 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
                     tokens[t0:t1],
                     cols[2::_EVENT],
                     cols[3::_EVENT],
+                    ha[h0:h1],
                 )
             )
     except UnicodeDecodeError:

@@ -150,6 +150,7 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         self._q_ev: list[QueuedEvent] = []
         self._q_s0: list[int] = []
         self._q_hashes: list[int] = []
+        self._q_arrays: list[npt.NDArray[np.uint64] | None] = []  # per queued run: its hashes' array, or None
         self._q_tokens: list[bytes | npt.NDArray[np.integer]] = []  # int64 bytes, or integer arrays
         # Where a queued engine block is, for its children: its *position*, queue position * 256 + tokens
         # past the last index boundary after it. Per pod: the set of queued hashes, and the position of
@@ -277,6 +278,14 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         self._tier_names.append(tier)
         return tid
 
+    def _queued_hashes(self) -> npt.NDArray[np.uint64]:
+        """The queued engine hashes as one uint64 array: the runs' own arrays when each has one (no
+        conversion of Python ints), else from the list."""
+        arrays = [a for a in self._q_arrays if a is not None]
+        if len(arrays) < len(self._q_arrays):
+            return as_u64(self._q_hashes)
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
     def _root_state(self, root: int) -> int:
         s = self._roots.get(root)
         if s is None:
@@ -302,7 +311,7 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
                     s0=self._q_s0,
                     pref=ev[:, 5],
                     npend0=ev[:, 6],
-                    hashes=as_u64(self._q_hashes),
+                    hashes=self._queued_hashes(),
                     tiers=sorted({e[1] for e in self._q_ev}),
                     dups=self._q_dups,
                     tokens=flat,

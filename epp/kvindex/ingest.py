@@ -387,7 +387,7 @@ class KvIngest:
         skipped = 0  # BlockRemoved events in skipped KV groups: not applied
         for run in batch.runs:
             if run[0] == STORED:
-                _, tier, lora_name, salt, hashes, parents, per_event, tokens, tokens_per_event, sizes = run  # type: ignore[misc]
+                _, tier, lora_name, salt, hashes, parents, per_event, tokens, per_tokens, sizes, array = run  # type: ignore[misc]
                 model = lora_name or topic_model
                 if model is None:
                     if not asked:
@@ -408,7 +408,7 @@ class KvIngest:
                         roots.clear()
                     root = roots[(model, salt)] = root_key(model, salt)
                 orphans += index.store_run(
-                    pod, tier, root, hashes, parents, per_event, tokens, tokens_per_event, sizes
+                    pod, tier, root, hashes, parents, per_event, tokens, per_tokens, sizes, array
                 )
             elif run[0] == REMOVED:
                 if partial and run[3] in partial:  # type: ignore[misc,operator]

@@ -5,7 +5,9 @@ where its chain starts (`_chain_start`: the root, a queued parent, a held parent
 hashes join the pod's unknown chain) and queues it (`_enqueue`); `store_run` takes a run
 of stores given as columns (what the compiled scan of a message gives, `event_scan.py`) and, when every
 event chains from something known and nothing queued forces a flush in between, queues the whole run in
-one pass (`_queue_run`: one set update, one token array) with the same effects as `store` for each.
+one pass (`_queue_run`: one set update, one token array, and the hashes' uint64 array when the caller
+has one: the scan's, queued as it is instead of converting Python ints at the flush) with the same effects
+as `store` for each.
 `BlockIndex` provides the state, `_flush` and the pod and tier ids.
 """
 
@@ -40,6 +42,7 @@ class IndexQueue:
     _q_ev: list[QueuedEvent]
     _q_s0: list[int]
     _q_hashes: list[int]
+    _q_arrays: list[npt.NDArray[np.uint64] | None]
     _q_tokens: list[bytes | npt.NDArray[np.integer]]
     _q_set: dict[int, set[int]]
     _q_last: dict[int, dict[int, int]]
@@ -90,15 +93,20 @@ class IndexQueue:
         tokens: StoreTokens,
         tokens_per_event: Sequence[int],
         block_sizes: Sequence[int],
+        hash_array: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         """Consecutive BlockStored events of `pod` on one tier from one root, as columns: event e has
         hashes_per_event[e] of `hashes` (in order), parent `parents[e]`, tokens_per_event[e] of `tokens` and
         engine block size block_sizes[e]. The same as `store` for each, in order; returns how many were
-        orphans. A run whose events all chain from known blocks is queued in one pass (`_queue_run`)."""
+        orphans. A run whose events all chain from known blocks is queued in one pass (`_queue_run`).
+        `hash_array`: the same hashes as a uint64 array (the compiled scan has it), queued as it is
+        instead of converting `hashes` at the flush; kept by reference until then."""
         if not len(parents) == len(hashes_per_event) == len(tokens_per_event) == len(block_sizes):
             raise ValueError("store_run: parents and the per-event counts and sizes differ in length")
         if sum(hashes_per_event) != len(hashes) or sum(tokens_per_event) != len(tokens):
             raise ValueError("store_run: the per-event counts do not add up to the hashes and tokens given")
+        if hash_array is not None and (hash_array.dtype != np.uint64 or hash_array.shape != (len(hashes),)):
+            raise ValueError("store_run: hash_array is not the hashes' uint64 array")
         pid, tid = self._ids(pod, tier)
         if (
             len(parents) > 1
@@ -106,7 +114,16 @@ class IndexQueue:
             and tid >= 0
             and isinstance(tokens, np.ndarray)
             and self._queue_run(
-                pid, tid, root, hashes, parents, hashes_per_event, tokens, tokens_per_event, block_sizes
+                pid,
+                tid,
+                root,
+                hashes,
+                parents,
+                hashes_per_event,
+                tokens,
+                tokens_per_event,
+                block_sizes,
+                hash_array,
             )
         ):
             return 0
@@ -134,6 +151,7 @@ class IndexQueue:
         tokens: npt.NDArray[np.integer],
         tokens_per_event: Sequence[int],
         block_sizes: Sequence[int],
+        hash_array: npt.NDArray[np.uint64] | None,
     ) -> bool:
         """Queue a run of stores as `_store` would one by one, when that needs no flush in between and no
         event is an orphan or malformed; False (nothing changed) otherwise. Each event's parent is the last
@@ -179,7 +197,7 @@ class IndexQueue:
             h += n
             g += n
             ends[hashes[h - 1]] = (g - 1) * 256 + (npend0 + ntok) % bs
-        self._enqueue(pid, evs, s0s, hashes, tokens, ends, len(tokens), weight)
+        self._enqueue(pid, evs, s0s, hashes, tokens, ends, len(tokens), weight, hash_array)
         return True
 
     def _enqueue(
@@ -192,9 +210,11 @@ class IndexQueue:
         ends: dict[int, int],
         ntok: int,
         weight: int,
+        hash_array: npt.NDArray[np.uint64] | None = None,
     ) -> None:
-        """Queue stores of `pid` whose chains are resolved: their rows, start states, hashes (in order), token
-        ids and the positions of their last blocks; flush when the queue is full."""
+        """Queue stores of `pid` whose chains are resolved: their rows, start states, hashes (in order; also
+        as a uint64 array when the caller has one), token ids and the positions of their last blocks; flush
+        when the queue is full."""
         unknown = self._unknown.get(pid)
         if unknown:
             for x in hashes:
@@ -202,6 +222,7 @@ class IndexQueue:
         self._q_ev.extend(evs)
         self._q_s0.extend(s0s)
         self._q_hashes.extend(hashes)
+        self._q_arrays.append(hash_array)
         self._q_tokens.append(tokens)
         queued = self._q_set.get(pid)
         if queued is None:

@@ -18,7 +18,9 @@ def flat(batch: ScannedBatch) -> tuple[Any, ...]:
     out: list[Any] = []
     for run in batch.runs:
         if run[0] == STORED:
-            _, tier, lora, salt, hashes, parents, per, tokens, tper, sizes = run  # type: ignore[misc]
+            _, tier, lora, salt, hashes, parents, per, tokens, tper, sizes, array = run  # type: ignore[misc]
+            if array is not None and array.tolist() != hashes:
+                raise AssertionError(f"the scan's hash array {array!r} is not its hashes {hashes!r}")
             ids = [int(t) & _M64 for t in tokens]
             h = t = 0
             for parent, n, nt, ebs in zip(parents, per, tper, sizes, strict=True):

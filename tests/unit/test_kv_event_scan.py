@@ -17,6 +17,7 @@ from epp.kvindex.batch_reader import decode
 from epp.kvindex.event_scan import CLEARED, REMOVED, STORED, scan_batch
 from epp.kvindex.events import DecodeError
 from epp.kvindex.index import BlockIndex
+from epp.kvindex.keys import block_keys
 from epp.testing.kv_scan import same_reading
 
 M64 = (1 << 64) - 1
@@ -289,6 +290,75 @@ def test_store_run_rejects_columns_that_do_not_add_up() -> None:
     with pytest.raises(ValueError, match="add up"):
         index.store_run("p", "gpu", 1, [1, 2], [None, 1], [1, 1], np.arange(3), [2, 2], [2, 2])
     assert index.stats().entries == 0 and index.pods() == []
+
+
+def test_store_run_refuses_a_hash_array_that_is_not_the_hashes() -> None:
+    index = BlockIndex(block_size=2)
+    args = ("p", "gpu", 1, [1, 2], [None, 1], [1, 1], np.arange(4), [2, 2], [2, 2])
+    for bad in (np.array([1, 2, 3], dtype=np.uint64), np.array([1, 2], dtype=np.int64)):
+        with pytest.raises(ValueError, match="hash_array"):
+            index.store_run(*args, bad)  # type: ignore[arg-type]
+    assert index.stats().entries == 0 and index.pods() == []
+    index.store_run(*args, np.array([1, 2], dtype=np.uint64))  # type: ignore[arg-type]  # (nothing lost)
+    assert index.stats().entries == 2
+
+
+@pytest.mark.parametrize("arrays", ["all", "none", "mixed"])
+def test_runs_queued_with_their_hash_arrays_index_as_without(arrays: str) -> None:
+    """The scan hands ingestion each run's hashes as a uint64 array too, which the queue keeps instead of
+    converting the Python ints at the flush; with every run's array, none, or some, the index is the same
+    (hashes above 2^63 included)."""
+    rng = random.Random(5)
+
+    def runs() -> list[tuple[list[int], list[int | None]]]:
+        out: list[tuple[list[int], list[int | None]]] = []
+        parent: int | None = None
+        for _ in range(40):
+            hashes = [rng.getrandbits(64) | (1 << 63) * rng.randrange(2) for _ in range(6)]
+            parents: list[int | None] = [parent, hashes[2]]
+            out.append((hashes, parents))
+            parent = hashes[-1] if rng.random() < 0.7 else None
+        return out
+
+    def build(with_array: bool | None) -> BlockIndex:
+        index = BlockIndex(block_size=4)
+        for i, (hashes, parents) in enumerate(plan):
+            use = with_array if with_array is not None else i % 2 == 0
+            array = np.array(hashes, dtype=np.uint64) if use else None
+            tokens = np.arange(i * 24, i * 24 + 24, dtype=np.int64)
+            assert (
+                index.store_run("p", "gpu", 7, hashes, parents, [3, 3], tokens, [12, 12], [4, 4], array) == 0
+            )
+        index.flush()
+        return index
+
+    plan = runs()
+    reference = build(False)
+    index = build({"all": True, "none": False, "mixed": None}[arrays])
+    assert index.stats() == reference.stats() and index.stats().entries == 240
+    chain: list[int] = []  # each run's prompt: its chain's tokens up to its last block
+    for i, (_, parents) in enumerate(plan):
+        chain = ([] if parents[0] is None else chain) + list(range(i * 24, i * 24 + 24))
+        keys = block_keys(chain, 4, 7)
+        assert (
+            index.lookup(keys, ["p"])
+            == reference.lookup(keys, ["p"])
+            == {"p": {"gpu": len(keys), "any": len(keys)}}
+        )
+    # The records carry the right engine hashes: removing some runs' middle blocks by their hashes ends those
+    # prefixes there, as in the reference (records under the wrong hashes would end others).
+    for idx in (index, reference):
+        for hashes, _ in plan[::4]:
+            assert idx.remove("p", [hashes[2]], "gpu") == 1
+    chain = []
+    cut = 0
+    for i, (_, parents) in enumerate(plan):
+        chain = ([] if parents[0] is None else chain) + list(range(i * 24, i * 24 + 24))
+        keys = block_keys(chain, 4, 7)
+        got = index.lookup(keys, ["p"])
+        assert got == reference.lookup(keys, ["p"])
+        cut += got["p"]["gpu"] < len(keys)
+    assert 0 < cut < len(plan)
 
 
 def test_batches_of_many_short_events_are_taken_whole() -> None:
