@@ -1,6 +1,7 @@
 """Turn an OpenAI-style HTTP request (headers + JSON body) into an `InferenceRequest`. Pure.
 
-Errors are `RequestError`s carrying the HTTP status the gateway should answer with.
+Errors are `RequestError`s carrying the HTTP status the gateway should answer with. A `/v1/responses` body
+becomes the chat vLLM renders from it (`responses_api.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 
 import msgspec
 
-from epp.types import ApiKind, ChatOptions, InferenceRequest
+from epp.responses_api import InvalidResponsesBody, responses_chat, template_kwargs
+from epp.types import ApiKind, ChatOptions, InferenceRequest, PromptTokens
 
 HEADERS_OF_INTEREST = (
     "x-request-id",
@@ -78,8 +80,10 @@ def _check_prompt(prompt: Any, name: str = "prompt") -> tuple[str | list[int], i
     )
 
 
-def _check_messages(messages: Any, name: str = "messages") -> tuple[list[dict[str, Any]], int]:
-    if not isinstance(messages, list) or not messages:
+def _check_messages(
+    messages: Any, name: str = "messages", *, may_be_empty: bool = False
+) -> tuple[list[dict[str, Any]], int]:
+    if not isinstance(messages, list) or not (messages or may_be_empty):
         raise bad_request(f"'{name}' must be a non-empty list")
     chars = 0
     for i, m in enumerate(messages):
@@ -117,12 +121,15 @@ _CHAT_FIELDS = (
     "tools",
     "documents",
     "chat_template_kwargs",
+    "reasoning_effort",
 )
 
 
 def _chat_options(body: Mapping[str, Any]) -> ChatOptions | None:
     """The fields of a chat request that change the rendered prompt, checked as vLLM checks them; None
-    when none is set."""
+    when none is set. `reasoning_effort` reaches the template as vLLM's `build_chat_params` passes it: as
+    `reasoning_effort`, and as `enable_thinking` (effort != "none") unless `chat_template_kwargs` sets it.
+    An empty `tools` or `documents` list is kept: vLLM hands the template `[]`, not nothing."""
     if not any(body.get(k) is not None for k in _CHAT_FIELDS):
         return None
     flags = {}
@@ -140,17 +147,48 @@ def _chat_options(body: Mapping[str, Any]) -> ChatOptions | None:
         value = body.get(name)
         if value is not None and (not isinstance(value, list) or not all(isinstance(x, dict) for x in value)):
             raise bad_request(f"'{name}' must be a list of objects")
-        lists[name] = value or None
+        lists[name] = value
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object")
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("'reasoning_effort' must be a string")
     return ChatOptions(
         add_generation_prompt=flags["add_generation_prompt"],
         continue_final_message=flags["continue_final_message"],
         tools=lists["tools"],
         documents=lists["documents"],
-        chat_template_kwargs=kwargs or None,
+        chat_template_kwargs=template_kwargs(kwargs, effort),
     )
+
+
+def _add_special_tokens(body: Mapping[str, Any]) -> bool | None:
+    """The request's `add_special_tokens` (vLLM honours it: `build_tok_params`); None: the API's default."""
+    value = body.get("add_special_tokens")
+    if value is not None and not isinstance(value, bool):
+        raise bad_request("'add_special_tokens' must be a boolean")
+    return value
+
+
+_STORED_HISTORY = PromptTokens(None, "stored_history")
+
+
+def _responses(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, ChatOptions, PromptTokens | None]:
+    """A Responses body's chat, as vLLM builds it (`epp/responses_api.py`): (messages, estimated prompt
+    tokens, options, `stored_history` when the prompt starts with a conversation only vLLM holds)."""
+    try:
+        chat = responses_chat(body)
+    except InvalidResponsesBody as err:
+        raise bad_request(str(err)) from None
+    messages, tokens = _check_messages(chat.messages, "input", may_be_empty=True)
+    options = ChatOptions(
+        add_generation_prompt=not chat.continue_final_message,
+        continue_final_message=chat.continue_final_message,
+        tools=chat.tools,
+        chat_template_kwargs=chat.chat_template_kwargs,
+    )
+    return messages, tokens, options, _STORED_HISTORY if chat.stored_history else None
 
 
 def build_request(
@@ -175,12 +213,15 @@ def build_request(
     messages: list[dict[str, Any]] | None = None
     tokens = 0
     chat: ChatOptions | None = None
-    if "messages" in body or kind is ApiKind.CHAT_COMPLETIONS:
+    known: PromptTokens | None = None
+    if kind is ApiKind.RESPONSES:
+        messages, tokens, chat, known = _responses(body)
+    elif "messages" in body or kind is ApiKind.CHAT_COMPLETIONS:
         messages, tokens = _check_messages(body.get("messages"))
         chat = _chat_options(body)
     elif "prompt" in body:
         prompt, tokens = _check_prompt(body["prompt"])
-    elif kind in (ApiKind.EMBEDDINGS, ApiKind.RESPONSES) and "input" in body:
+    elif kind is ApiKind.EMBEDDINGS and "input" in body:
         inp = body["input"]
         if isinstance(inp, list) and inp and all(isinstance(m, dict) for m in inp):
             messages, tokens = _check_messages(inp, "input")
@@ -188,13 +229,18 @@ def build_request(
             prompt, tokens = _check_prompt(inp, "input")
     else:
         raise bad_request("request needs 'prompt' or 'messages'")
+    # a Responses request has no such field (vLLM ignores one sent): its chat is encoded with special tokens
+    add_special_tokens = True if kind is ApiKind.RESPONSES else _add_special_tokens(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean")
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise bad_request("'cache_salt' must be a non-empty string")
-    limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if kind is ApiKind.RESPONSES:
+        limit = "max_output_tokens"
+    else:
+        limit = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(limit)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
         raise bad_request(f"'{limit}' must be a non-negative integer")
@@ -213,4 +259,6 @@ def build_request(
         prompt_tokens_estimate=tokens,
         cache_salt=cache_salt,
         chat=chat,
+        tokens=known,
+        add_special_tokens=add_special_tokens,
     )

@@ -229,6 +229,9 @@ class InferenceRequest:
     cache_salt: str | None = None
     chat: ChatOptions | None = None  # None: the defaults
     tokens: PromptTokens | None = None  # None: tokenized when a scorer needs them
+    # the request's `add_special_tokens` (vLLM's field; a Responses request's is always True, see
+    # `epp/responses_api.py`); None: the API's default, True for a text prompt and False for chat messages
+    add_special_tokens: bool | None = None
 
     @property
     def sheddable(self) -> bool:

@@ -10,7 +10,7 @@ tokenizer its config names. Environment:
 The Hub answers large files with a redirect to its CDN: redirects are followed (at most
 MAX_REDIRECTS), and the token goes only to the scheme, host and port it was meant for, never to a
 redirect target elsewhere.
-tokenizer.json is required; tokenizer_config.json and the chat template files are fetched when
+tokenizer.json is required; tokenizer_config.json, special_tokens_map.json and the chat template files are fetched when
 the repository has them. Nothing is written unless every required file was fetched.
 Exit status: 0 done, 1 a download failed, 2 bad environment.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 REQUIRED = ("tokenizer.json",)
-OPTIONAL = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+OPTIONAL = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 TIMEOUT_SECONDS = 60.0
 MAX_REDIRECTS = 5
 DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -7,14 +7,12 @@ Pure: no I/O, no clock (a template's `strftime_now` reads a wall clock only if o
   filter (`ensure_ascii=False`, `indent`, `separators`, `sort_keys`), and the `raise_exception` and
   `strftime_now` globals. Render variables: `messages`, `tools`, `documents`, `add_generation_prompt`,
   the special tokens (`bos_token`, `eos_token`, ...) and any extra template kwargs.
-- Messages are first normalised as vLLM does (`parse_chat_messages`): the content format ("string" or
-  "openai") is detected from the template's AST (does it loop over a message's `content`?); text parts
-  are joined with "\\n" for "string" templates and become `{"type": "text", "text": ...}` parts for
-  "openai" ones; `tool` messages with text-only parts get a joined string; only role, content, name,
-  tool_calls (assistant), tool_call_id (tool), reasoning and task are kept; tool-call `arguments` strings
-  are parsed to objects; `developer` messages become `system` when the template does not know the role.
-- Parts that are not text (images, audio, ...) cannot be reproduced here (the engine expands them into
-  model-specific placeholder tokens): they raise `ChatTemplateError`.
+- The content format ("string" or "openai") is detected from the template's AST as vLLM's
+  `_detect_content_format` does: "openai" when a loop iterates over a message's `content` (through any
+  alias of `messages` and of its loop variable) or over a plain `content` variable, "string" otherwise and
+  when a loop or assignment target vLLM expects to be a plain name is not one.
+- Messages, tools and documents become what vLLM gives the template (`chat_inputs.py`: reasoning fields,
+  text parts, tool-call arguments, tools as vLLM's request model dumps them, a nesting bound).
 - `continue_final_message` follows transformers: the rendered text stops where the final message ends.
 """
 
@@ -22,21 +20,28 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-_TEXT_PART_TYPES = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+from epp.kvindex.chat_inputs import (
+    ChatTemplateError,
+    canonical_tools,
+    check_depth,
+    checked_documents,
+    developer_as_system,
+    normalise,
+)
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "detect_content_format"]
+
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-class ChatTemplateError(ValueError):
-    """The template does not compile, raised while rendering, or the messages cannot be rendered."""
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -89,129 +94,59 @@ def _is_access(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bo
     return False
 
 
-def _aliases(root: jinja2.nodes.Template, name: str) -> Iterator[str]:
-    yield name
-    seen, todo = {name}, deque([name])
+class _UnusualTarget(Exception):
+    """A loop or assignment target vLLM's walk asserts to be a plain name is not one: it answers "string"."""
+
+
+def _target(node: jinja2.nodes.For | jinja2.nodes.Assign) -> str:
+    if not isinstance(node.target, jinja2.nodes.Name):
+        raise _UnusualTarget
+    return node.target.name
+
+
+def _aliases(root: jinja2.nodes.Template, name: str) -> list[str]:
+    """`name` and every variable assigned from it, breadth first (vLLM's walk, but ending on a cycle)."""
+    out, seen, todo = [name], {name}, deque([name])
     while todo:
         current = todo.popleft()
         for assign in root.find_all(jinja2.nodes.Assign):
-            if isinstance(assign.target, jinja2.nodes.Name) and _is_access(assign.node, current):
-                alias = assign.target.name
-                yield alias
+            if _is_access(assign.node, current):
+                alias = _target(assign)
+                out.append(alias)
                 if alias not in seen:
                     seen.add(alias)
                     todo.append(alias)
+    return out
 
 
-def _loop_targets(root: jinja2.nodes.Template, iterables: Sequence[str], key: str | None) -> Iterator[str]:
+def _content_loop(root: jinja2.nodes.Template, message_vars: Sequence[str]) -> bool:
+    """Whether the first loop over a message's content (`message['content']`, or a plain `content` since
+    vLLM PR #42660) has a plain name as target; False when there is none."""
     for loop in root.find_all(jinja2.nodes.For):
-        if not isinstance(loop.target, jinja2.nodes.Name):
-            continue
-        if any(_is_access(loop.iter, name, key) for name in iterables) or (
-            key == "content" and _is_var(loop.iter, "content")
-        ):
-            yield loop.target.name
+        over_content = any(_is_access(loop.iter, name, "content") for name in message_vars)
+        if over_content or _is_var(loop.iter, "content"):
+            _target(loop)
+            return True
+    return False
 
 
 def detect_content_format(env: jinja2.Environment, source: str) -> str:
-    """ "openai" if the template iterates over a message's content parts, else "string"."""
-    root = env.parse(source)
-    message_vars = list(_loop_targets(root, list(_aliases(root, "messages")), None))
-    return "openai" if next(_loop_targets(root, message_vars, "content"), None) is not None else "string"
+    """ "openai" if the template iterates over a message's content parts, else "string" (vLLM's
+    `_detect_content_format`, which also answers "string" when a target it expects to be a name is not)."""
+    return _content_format(env.parse(source))
 
 
-# --- message normalisation (vLLM's parse_chat_messages, text only) ---
-
-
-def _text_parts(content: Any, role: str) -> list[Any]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, Sequence):
-        raise ChatTemplateError(f"{role} message content must be a string or a list of parts")
-    out: list[Any] = []
-    for part in content:
-        if isinstance(part, str):
-            out.append(part)
-            continue
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind in _TEXT_PART_TYPES:
-            text = part.get(_TEXT_PART_TYPES[kind])
-            if text is not None:
-                out.append(text)
-        elif kind == "thinking" and part.get("thinking") is not None:
-            out.append(part["thinking"])
-        elif kind == "tool_reference":
-            out.append({"type": "tool_reference", "name": part.get("name")})
-        else:
-            raise ChatTemplateError(
-                f"content part of type {kind!r} in a {role} message: only text parts can be tokenized here"
-            )
-    return out
-
-
-def _normalise(message: Mapping[str, Any], content_format: str) -> dict[str, Any]:
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise ChatTemplateError("every message needs a string 'role'")
-    parts = _text_parts(message.get("content"), role)
-    content: Any
-    if content_format == "openai":
-        content = [p if isinstance(p, Mapping) else {"type": "text", "text": p} for p in parts]
-        if role == "tool" and all(p.get("type") == "text" for p in content):
-            content = "\n".join(p["text"] for p in content)
-    else:
-        content = "\n".join(p if isinstance(p, str) else str(p.get("name")) for p in parts)
-    out: dict[str, Any] = {"role": role, "content": content}
-    if role == "assistant":
-        calls = message.get("tool_calls")
-        if isinstance(calls, Sequence) and not isinstance(calls, str) and calls:
-            out["tool_calls"] = [_parsed_call(c) for c in calls]
-        if message.get("reasoning") is not None:
-            out["reasoning"] = out["reasoning_content"] = message["reasoning"]
-    elif role == "tool" and "tool_call_id" in message:
-        out["tool_call_id"] = message["tool_call_id"]
-    elif role == "developer":
-        out["tools"] = message.get("tools")
-    for key in ("name", "task"):
-        if isinstance(message.get(key), str):
-            out[key] = message[key]
-    return out
-
-
-def _parsed_call(call: Any) -> Any:
-    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
-        return call
-    function = dict(call["function"])
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments)
-        except json.JSONDecodeError:
-            function["arguments"] = {}
-    elif not isinstance(arguments, dict | list):
-        function["arguments"] = {}
-    return {**call, "function": function}
-
-
-def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    converted = [
-        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer" else m
-        for m in messages
-    ]
-    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
-    if not systems or systems == [0]:
-        return converted
-    texts = []
-    for i in systems:
-        content = converted[i]["content"]
-        if isinstance(content, list):
-            content = "\n".join(p["text"] for p in content if isinstance(p, Mapping) and "text" in p)
-        if content:
-            texts.append(content)
-    merged = {"role": "system", "content": "\n\n".join(texts)}
-    return [merged, *(m for m in converted if m["role"] != "system")]
+def _content_format(root: jinja2.nodes.Template) -> str:
+    try:
+        messages = _aliases(root, "messages")
+        message_vars = [
+            _target(loop)
+            for loop in root.find_all(jinja2.nodes.For)
+            if any(_is_access(loop.iter, name) for name in messages)
+        ]
+        return "openai" if _content_loop(root, message_vars) else "string"
+    except _UnusualTarget:
+        return "string"
 
 
 class ChatTemplate:
@@ -234,7 +169,9 @@ class ChatTemplate:
             env.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
         try:
             self._template = env.from_string(source)
-            self.content_format = detect_content_format(env, source)
+            root = env.parse(source)
+            self.content_format = _content_format(root)
+            self._variables = jinja2.meta.find_undeclared_variables(root)  # after: it may fold constants
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"syntax error on line {e.lineno}: {e.message}") from e
         self.source = source
@@ -256,17 +193,25 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
         try:
-            chat = [_normalise(m if isinstance(m, Mapping) else {}, self.content_format) for m in messages]
+            chat = [normalise(m if isinstance(m, Mapping) else {}, self.content_format) for m in messages]
+            for i, message in enumerate(chat):
+                check_depth(message, f"messages[{i}]")
             if not self.knows_developer_role and any(m["role"] == "developer" for m in chat):
-                chat = _developer_as_system(chat)
+                chat = developer_as_system(chat)
         except (TypeError, AttributeError) as e:  # e.g. a text part whose text is not a string
             raise ChatTemplateError(f"malformed messages: {e}") from e
         final_text: str | None = None
         if continue_final_message:
             final_text = self._tag_final_message(chat)
-        variables = {**self._special_tokens, **(template_kwargs or {})}
+        kwargs = dict(template_kwargs or {})
+        for key in self._variables.intersection(kwargs):  # vLLM passes only the variables the template reads
+            check_depth(kwargs[key], f"chat_template_kwargs[{key!r}]")
+        variables = {**self._special_tokens, **kwargs}
         variables.update(
-            messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt
+            messages=chat,
+            tools=canonical_tools(tools),
+            documents=checked_documents(documents),
+            add_generation_prompt=add_generation_prompt,
         )
         try:
             rendered = self._template.render(**variables)

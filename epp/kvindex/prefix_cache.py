@@ -17,6 +17,11 @@ alone too, and a chunk is inserted only if its ids and those of the piece after 
 rest (in one go) at the same places, i.e. its end cut held for this text (checked once, on insert); from
 the first disagreement on, nothing is cached (`unstable` counts those chunks).
 
+At most `MAX_NEW_CHUNKS` new chunks are cached per call (the first ones after the cached prefix): a text
+cut into very many chunks (a prompt of nothing but special tokens is one chunk per token) would otherwise
+tokenize each piece alone and fill the cache with them in one request; the next call with the same
+prefix goes on from there, so long shared prefixes still warm up.
+
 Eviction drops the least recently used entries first; a path is touched leaf-first so that shared
 roots outlive their leaves. Entries whose parent was evicted can no longer be reached and age out.
 Not thread-safe: one owner (the event loop) calls it.
@@ -43,6 +48,9 @@ TokenIds = npt.NDArray[np.int32]
 # out and 256 here, a full "64 MiB" cache held ~75 MB (tests/unit/test_prefix_cache_memory.py).
 _ENTRY_OVERHEAD = 400
 _SPACE_BOUNDARY = re.compile(r"(?<=[^\W_]) ")
+MAX_NEW_CHUNKS = 512
+"""New chunks one `encode` caches at most: 512 KiB of prose at the default 1,024-character chunks (the
+keying limit, `index.maxKeyedPromptChars`, is 512 KiB)."""
 
 
 class Chunker:
@@ -181,7 +189,7 @@ class PrefixCache:
         rest = text[pos:]
         ids = self._encode_one(rest)
         self.tokenized_chars += len(rest)
-        new_cuts = [c for c in cuts if c > pos]
+        new_cuts = [c for c in cuts if c > pos][:MAX_NEW_CHUNKS]
         if new_cuts:
             self._insert(text, pos, new_cuts, ids, node, path)
         for key in reversed(path):

@@ -2,18 +2,22 @@
 
 Pure apart from reading the tokenizer files once at load time (no network, no clock, no global random).
 
-What "as the engine would" means here (vLLM with a fast Hugging Face tokenizer, transformers v5 rules):
+What "as the engine would" means here (vLLM with a fast Hugging Face tokenizer; vLLM pins transformers
+>= 4.56, < 5, so the tokenizer is set up by transformers 4.57's rules: `tokenizer_files.py`):
 
-- Completions: a token-id prompt is used as given; a text prompt is `encode(text, add_special_tokens=True)`.
-- Chat: the messages are rendered with the model's chat template (`chat_template.py`), then encoded with
-  `add_special_tokens=False`: the template writes the bos token itself, nothing is added on top.
-- Loading: `tokenizer.json` as it is (its post-processor decides what `add_special_tokens=True` adds;
-  transformers 5 drops `add_bos_token` / `add_eos_token` from the config when tokenizer.json exists, and
-  so do we), then `tokenizer_config.json` for the named special tokens (`bos_token`, ..., and
-  `extra_special_tokens` / `additional_special_tokens`; those missing from the added vocabulary are added
-  as special tokens, as transformers 5 does) and the chat template (`chat_template.jinja` or
-  `chat_template.json` beside it win). `split_special_tokens` is honoured; truncation and padding from
-  the file are switched off. The named special tokens are the template's `bos_token`, `eos_token`, ...
+- Completions: a token-id prompt is used as given; a text prompt is `encode(text, add_special_tokens=...)`
+  with the request's `add_special_tokens` (default True).
+- Chat: the messages are rendered with the model's chat template (`chat_template.py`), then encoded with the
+  request's `add_special_tokens` (default False: the template writes the bos token itself). A Responses
+  request is a chat encoded with True (`epp/responses_api.py`).
+- Loading (`tokenizer_files.py`): `tokenizer.json`, then `tokenizer_config.json` (and, on transformers 4.57's
+  legacy path, `special_tokens_map.json`) for the named special tokens (`bos_token`, ...: the template's
+  variables; those missing from the vocabulary are added as special tokens), the tokenizer class's
+  defaults, its post-processor (`add_bos_token` / `add_eos_token` for the classes that rebuild it) and
+  `add_prefix_space`; and the chat template (`chat_template.jinja` or `chat_template.json` beside it win).
+  `split_special_tokens` is honoured; truncation and padding from the file are switched off.
+- A rendered chat longer than `max_chars` is not encoded (`PromptTooLong`): a template can render a small
+  body to megabytes (tool schemas under `tojson(indent=4)`).
 
 Speed: repeated long prefixes are not tokenized again. `prefix_cache.py` keeps the ids of text chunks
 cut at stable boundaries (which cuts are stable for which pipelines, checked at load time:
@@ -33,39 +37,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import Tokenizer
 
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
 from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
 from epp.kvindex.stable_cuts import special_affixes, stable_chunker
-from epp.types import InferenceRequest
+from epp.kvindex.tokenizer_files import TokenizerError, configure, read_config, read_json, template_sources
+from epp.types import ChatOptions, InferenceRequest
+
+__all__ = ["PromptTokenizer", "PromptTooLong", "TokenizerError", "TokenizerRegistry"]
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_CHUNK_CHARS = 1024
 _PARALLEL_CHARS = 32 * 1024
 _GIL_FREE_CHARS = 8 * 1024  # a text this long is encoded by the batch call, without the GIL (`_ids`)
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_DEFAULT_CHAT = ChatOptions()
 
 
-class TokenizerError(ValueError):
-    """A tokenizer directory or template is unusable, or a prompt cannot be tokenized as the engine would."""
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON: {e}") from e
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
+class PromptTooLong(TokenizerError):
+    """The rendered prompt is longer than the caller's limit (`max_chars`): it was not encoded."""
 
 
 class PromptTokenizer:
@@ -96,11 +86,12 @@ class PromptTokenizer:
         self._tok = tokenizer
         self._tok.no_truncation()
         self._tok.no_padding()
-        if config.get("split_special_tokens"):
-            self._tok.encode_special_tokens = True
-        self.special_tokens: dict[str, str] = {}
-        if self._add_named_special_tokens(config):
-            spec = None  # the added vocabulary changed: describe the tokenizer as it now is
+        try:
+            self.special_tokens, changed = configure(self._tok, config)
+        except TokenizerError as e:
+            raise TokenizerError(f"{name}: {e}") from e
+        if changed:
+            spec = None  # describe the tokenizer as it now is, not as tokenizer.json has it
         self._templates: dict[str, ChatTemplate] = {}
         for template_name, source in (chat_templates or {}).items():
             try:
@@ -141,16 +132,13 @@ class PromptTokenizer:
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise TokenizerError(f"{label}: {tokenizer_file} is missing (only fast tokenizers are supported)")
-        spec = _read_json(tokenizer_file)
+        spec = read_json(tokenizer_file)
         try:
             tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # the Rust side raises plain Exception
             raise TokenizerError(f"{tokenizer_file}: not a tokenizers file: {e}") from e
-        config_file = root / "tokenizer_config.json"
-        config = _read_json(config_file) if config_file.is_file() else {}
-        if not isinstance(config, dict):
-            raise TokenizerError(f"{config_file}: expected a JSON object")
-        templates, origin = cls._template_sources(root, config)
+        config = read_config(root)
+        templates, origin = template_sources(root, config)
         return cls(
             tokenizer,
             name=label,
@@ -162,59 +150,6 @@ class PromptTokenizer:
             now=now,
             template_origin=origin,
         )
-
-    @staticmethod
-    def _template_sources(root: Path, config: Mapping[str, Any]) -> tuple[dict[str, str], str]:
-        jinja_file, json_file = root / "chat_template.jinja", root / "chat_template.json"
-        if jinja_file.is_file():
-            try:
-                return {"default": jinja_file.read_text(encoding="utf-8")}, str(jinja_file)
-            except (OSError, UnicodeDecodeError) as e:
-                raise TokenizerError(f"{jinja_file}: cannot read: {e}") from e
-        where, value = root / "tokenizer_config.json", config.get("chat_template")
-        if json_file.is_file():
-            where, value = json_file, _read_json(json_file)
-            value = value.get("chat_template") if isinstance(value, dict) else None
-        if value is None:
-            return {}, ""
-        if isinstance(value, str):
-            return {"default": value}, str(where)
-        if isinstance(value, list) and all(
-            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
-            for t in value
-        ):
-            return {t["name"]: t["template"] for t in value}, str(where)
-        raise TokenizerError(f"{where}: chat_template must be a string or a list of {{name, template}}")
-
-    def _add_named_special_tokens(self, config: Mapping[str, Any]) -> bool:
-        """Record the named special tokens; add those the tokenizer lacks (as transformers 5 does)."""
-        values: list[Any] = [config.get(k) for k in _SPECIAL_KEYS]
-        self.special_tokens = {
-            k: t for k, v in zip(_SPECIAL_KEYS, values, strict=True) if (t := _token_text(v))
-        }
-        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
-        if isinstance(extra, Mapping):  # model-specific named tokens (image_token, ...)
-            self.special_tokens.update((str(k), t) for k, v in extra.items() if (t := _token_text(v)))
-            values += list(extra.values())
-        elif isinstance(extra, list):
-            values += extra
-        present = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        missing: dict[str, AddedToken] = {}
-        for value in values:
-            content = _token_text(value)
-            if content and content not in present and content not in missing:
-                flags = value if isinstance(value, Mapping) else {}
-                missing[content] = AddedToken(
-                    content,
-                    single_word=bool(flags.get("single_word", False)),
-                    lstrip=bool(flags.get("lstrip", False)),
-                    rstrip=bool(flags.get("rstrip", False)),
-                    normalized=bool(flags.get("normalized", False)),
-                    special=True,
-                )
-        if missing:
-            self._tok.add_special_tokens(list(missing.values()))
-        return bool(missing)
 
     def _encode_body(self, text: str) -> list[int]:
         return self._ids(text, add_special_tokens=False)
@@ -291,7 +226,7 @@ class PromptTokenizer:
         """The prompt text the engine builds from these messages with the model's chat template."""
         if not self._templates:
             raise TokenizerError(f"{self.name}: the tokenizer has no chat_template")
-        template = self._templates.get("tool_use") if tools else None
+        template = self._templates.get("tool_use") if tools is not None else None  # as transformers picks
         template = template or self._templates.get("default") or next(iter(self._templates.values()))
         try:
             return template.render(
@@ -315,8 +250,10 @@ class PromptTokenizer:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        max_chars: int | None = None,
     ) -> TokenIds:
-        """Render with the chat template, then encode without adding special tokens (vLLM's default)."""
+        """Render with the chat template, then encode (by default without adding special tokens, as vLLM's
+        chat completions). A rendered text longer than `max_chars` raises PromptTooLong, not encoded."""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -325,14 +262,31 @@ class PromptTokenizer:
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
         )
+        if max_chars is not None and len(text) > max_chars:
+            raise PromptTooLong(
+                f"{self.name}: the rendered chat has {len(text)} characters (limit {max_chars})"
+            )
         return self.encode_text(text, add_special_tokens=add_special_tokens)
 
-    def encode_request(self, request: InferenceRequest) -> TokenIds | None:
-        """The prompt ids of a parsed request (chat messages, else the completions prompt), or None."""
+    def encode_request(self, request: InferenceRequest, *, max_chars: int | None = None) -> TokenIds | None:
+        """The prompt ids of a parsed request (chat messages with its chat options, else the completions
+        prompt), with its `add_special_tokens` (default: False for chat, True for a text prompt), or None.
+        `max_chars` bounds the rendered chat (PromptTooLong)."""
+        add = request.add_special_tokens
         if request.messages is not None:
-            return self.encode_chat(request.messages)
+            c = request.chat or _DEFAULT_CHAT
+            return self.encode_chat(
+                request.messages,
+                add_generation_prompt=c.add_generation_prompt,
+                continue_final_message=c.continue_final_message,
+                tools=c.tools,
+                documents=c.documents,
+                chat_template_kwargs=c.chat_template_kwargs,
+                add_special_tokens=bool(add),
+                max_chars=max_chars,
+            )
         if request.prompt is not None:
-            return self.encode_prompt(request.prompt)
+            return self.encode_prompt(request.prompt, add_special_tokens=add is not False)
         return None
 
     def cache_stats(self) -> dict[str, int]:

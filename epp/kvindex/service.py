@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from epp.kvindex.chat_template import ChatTemplateError
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
-from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
+from epp.kvindex.prompt import PromptTooLong, TokenizerError, TokenizerRegistry
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.requests import CHARS_PER_TOKEN
-from epp.types import ChatOptions, InferenceRequest, PromptTokens
+from epp.types import InferenceRequest, PromptTokens
 
-_DEFAULT_CHAT = ChatOptions()
 _NO_TOKENIZER = PromptTokens(None, "no_tokenizer")
 _TOO_LONG = PromptTokens(None, "too_long")
 _TOKENIZER_ERROR = PromptTokens(None, "tokenizer_error")
@@ -37,7 +37,8 @@ class KvIndexService:
     freshness: FreshnessTracker
     tokenizers: TokenizerRegistry
     block_size: int
-    # model -> requests that could not be keyed, by reason ("no_tokenizer", "tokenizer_error")
+    # model -> requests that could not be keyed, by reason ("no_tokenizer", "too_long", "tokenizer_error",
+    # "tokenizer_busy", "stored_history")
     unkeyed: Counter[tuple[str, str]] = field(default_factory=Counter)
     # the plugins that read prompts' tokens (they register when built): without any, the server does
     # not tokenize ahead of scheduling
@@ -47,7 +48,8 @@ class KvIndexService:
     speculative: dict[str, SpeculativeBlocks] = field(default_factory=dict)
     # text and chat prompts longer than this (characters) are not tokenized (~1 s a MB, and the server
     # tokenizes long prompts one at a time in a worker thread): they get no cache credit and count as
-    # unkeyed ("too_long")
+    # unkeyed ("too_long"). A chat is checked twice: its body's size before rendering, and the rendered
+    # text (a template may render a small body to megabytes) before encoding
     max_keyed_prompt_chars: int = 524_288
 
     def prompt_tokens(self, request: InferenceRequest) -> list[int] | np.ndarray | None:
@@ -86,23 +88,12 @@ class KvIndexService:
         if self._prompt_chars(request) > self.max_keyed_prompt_chars:
             return _TOO_LONG
         try:
-            if request.messages is not None:
-                c = request.chat or _DEFAULT_CHAT
-                return PromptTokens(
-                    tok.encode_chat(
-                        request.messages,
-                        add_generation_prompt=c.add_generation_prompt,
-                        continue_final_message=c.continue_final_message,
-                        tools=c.tools,
-                        documents=c.documents,
-                        chat_template_kwargs=c.chat_template_kwargs,
-                    )
-                )
-            if isinstance(prompt, str):
-                return PromptTokens(tok.encode_prompt(prompt))
-        except TokenizerError:
+            ids = tok.encode_request(request, max_chars=self.max_keyed_prompt_chars)
+        except PromptTooLong:
+            return _TOO_LONG
+        except (TokenizerError, ChatTemplateError, RecursionError):  # a template that cannot render these
             return _TOKENIZER_ERROR
-        return _NO_PROMPT
+        return _NO_PROMPT if ids is None else PromptTokens(ids)
 
     @staticmethod
     def _prompt_chars(request: InferenceRequest) -> int:

@@ -8,6 +8,7 @@ import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import grpc
@@ -106,7 +107,10 @@ class EppServer:
         self.kv = KvIndexService(
             self.kv_index,
             self.freshness,
-            TokenizerRegistry(config.tokenizers),
+            # Templates' `strftime_now` (Llama 3.x's "Today Date") reads this process's local time, as
+            # transformers does in the engine: the same date wherever both run in one time zone (UTC in
+            # containers by default), so the rendered prompt and its keys match vLLM's.
+            TokenizerRegistry(config.tokenizers, now=datetime.now),
             config.index.block_size,
             max_keyed_prompt_chars=config.index.max_keyed_prompt_chars,
         )

@@ -63,14 +63,16 @@ class PromptTokenizing:
 
     def plan(self, request: InferenceRequest) -> InferenceRequest | None:
         """None when `request`'s prompt should be tokenized in the worker first (`tokenize`): a long text
-        or chat prompt with a tokenizer, or any prompt to tokenize while the worker has work. Else the
-        request to route now: as it is (the scorers tokenize it on the loop, or there is nothing to
-        tokenize), or marked `BUSY` when the worker's queue is full."""
+        or chat prompt with a tokenizer, a chat with tools or documents (however short its body: a
+        template may render their JSON at many times its size, e.g. `tojson(indent=4)` of nested
+        schemas), or any prompt to tokenize while the worker has work. Else the request to route now: as
+        it is (the scorers tokenize it on the loop, or there is nothing to tokenize), or marked `BUSY`
+        when the worker's queue is full."""
         if request.tokens is not None:
             return request
         chars = self.service.tokenizing_chars(request)
         busy = self._worker.busy
-        if chars == 0 or (chars < self.offload_chars and not busy):
+        if chars == 0 or (chars < self.offload_chars and not busy and not _renders_json(request)):
             return request
         if busy and self._worker.queued + chars > self.max_queued_chars:
             return dataclasses.replace(request, tokens=BUSY)
@@ -87,3 +89,9 @@ class PromptTokenizing:
     def close(self) -> None:
         """Queued jobs are dropped; a job running finishes in the background."""
         self._worker.close()
+
+
+def _renders_json(request: InferenceRequest) -> bool:
+    """Whether the chat template is given JSON values to render (tools, documents)."""
+    chat = request.chat
+    return chat is not None and bool(chat.tools or chat.documents)

@@ -275,7 +275,8 @@ def test_encode_request_picks_messages_then_prompt(tiny: PromptTokenizer) -> Non
 
 # --- chat templates ---
 
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# as vLLM gives it to the template (a missing description is null: test_chat_template_vllm.py)
+TOOL = {"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}}
 CALL = {"type": "function", "id": "c1", "function": {"name": "f", "arguments": '{"x": 1}'}}
 
 
@@ -356,8 +357,10 @@ def _copy(src: Path, dst: Path, **config_changes: Any) -> Path:
     return dst
 
 
-def test_config_bos_flags_are_ignored_as_transformers_5_does(tiny_dir: Path, tmp_path: Path) -> None:
-    """With a tokenizer.json, transformers 5 drops add_bos_token / add_eos_token: the post-processor rules."""
+def test_config_bos_flags_are_ignored_by_the_base_class(tiny_dir: Path, tmp_path: Path) -> None:
+    """PreTrainedTokenizerFast (the tiny tokenizer's class) ignores add_bos_token / add_eos_token in
+    transformers 4.57 (vLLM's) as in 5: tokenizer.json's post-processor rules. The classes that rebuild it
+    (LlamaTokenizerFast, ...) honour them: test_prompt_loading_vllm.py."""
     for flags in ({"add_bos_token": False}, {"add_bos_token": True, "add_eos_token": True}):
         tok = PromptTokenizer.from_dir(_copy(tiny_dir, tmp_path / str(len(flags)), **flags))
         body = tok.encode_prompt("hi there", add_special_tokens=False).tolist()

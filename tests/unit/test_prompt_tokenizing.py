@@ -4,6 +4,7 @@ request; the event loop keeps running meanwhile, and the stream answers as it wo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import threading
@@ -80,6 +81,21 @@ def test_long_text_and_chat_prompts_go_to_the_worker_short_ones_and_token_ids_do
         assert not to_worker(t, text(200_001))  # over the keying limit: not tokenized at all
         known = InferenceRequest("r", ApiKind.COMPLETIONS, "m", prompt="x" * 20_000, tokens=PromptTokens([1]))
         assert not to_worker(t, known)
+    finally:
+        t.close()
+
+
+def test_a_short_chat_with_tools_or_documents_goes_to_the_worker(tok_dir: Path) -> None:
+    """A template may render tools' and documents' JSON at many times the body's size (`tojson(indent=4)` of
+    nested schemas): such a chat is tokenized in the worker however short its body, not on the loop."""
+    t = PromptTokenizing(service(tok_dir))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    try:
+        plain = chat("short")
+        assert not to_worker(t, plain)
+        for options in (ChatOptions(tools=[tool]), ChatOptions(documents=[{"text": "d"}])):
+            assert to_worker(t, dataclasses.replace(plain, chat=options))
+        assert not to_worker(t, dataclasses.replace(plain, chat=ChatOptions(tools=[])))  # (no JSON to render)
     finally:
         t.close()
 
