@@ -14,8 +14,13 @@ manager's (`kvcache.py`, over `blocks.py` and `offload.py`), as vLLM splits its 
 3. Unless a request was preempted in this step, waiting requests are admitted in order while the
    budget lasts and fewer than `max_num_seqs` run: the prefix-cache hit (GPU, then the CPU tier's
    continuation, loaded at the tier's bandwidth and latency within the step) counts as computed,
-   the first chunk is scheduled and the blocks for hit + chunk are taken. A request whose blocks
-   do not fit waits, and so does everything behind it (FCFS, as vLLM).
+   the first chunk is scheduled and the blocks for hit + chunk are taken. A request is admitted only
+   if the blocks of its whole sequence fit (vLLM's default admission gate,
+   `scheduler_reserve_full_isl`; `kvcache.KvCacheManager.admit`), not just its first chunk's; one
+   that does not waits, and so does everything behind it (FCFS, as vLLM).
+
+A request submitted while a step runs joins the queue the scheduler sees when the next step is
+scheduled, as vLLM's engine core takes in new requests between steps.
 
 Blocks are taken as needed, as vLLM's `allocate_slots` does: a chunk takes the blocks its tokens
 reach; a decoding request takes one more when its next token starts a block. Full blocks are
@@ -43,12 +48,15 @@ kernel event: the engine computes each step's end time as the kernel would (one 
 mid-span (metrics, probes, `steps_ended`). A request submitted mid-span cuts the span at the end of
 the step in progress, where the step-by-step engine would have seen it.
 
-Abort (`abort`, a client gone): a waiting request leaves at once, a running one before the next step
-is scheduled, as vLLM's engine core handles aborts between steps.
+Abort (`abort`, a client gone): a waiting request leaves at once; a running one leaves at the end of
+the step in progress, before that step's outputs are processed (vLLM's `EngineCore.step` drains its
+aborts queue before `update_from_output`), so it gets no token from that step and never finishes, even
+when that step would have given its last token. One aborted between two steps leaves before the next
+is scheduled.
 
 Outputs: KV events (`events.py`) at the end of each step that produced any; `metrics()` as the
-EPP's scraper would read vLLM's `/metrics`; per-request `RequestRecord`s and the callbacks
-`on_first_token(record, t)` and `on_finish(record, t)`.
+EPP's scraper would read vLLM's `/metrics`: the stats of the end of the last step (`step_stats.py`);
+per-request `RequestRecord`s and the callbacks `on_first_token(record, t)` and `on_finish(record, t)`.
 """
 
 from __future__ import annotations
@@ -56,9 +64,9 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 from collections import deque
-from dataclasses import dataclass
 
-from epp.types import MetricsSnapshot, metrics_snapshot
+from epp.types import MetricsSnapshot
+from simulator.engine_config import EngineConfig
 from simulator.events import EventSink, OnEvents
 from simulator.kernel import Handle, Kernel
 from simulator.kvcache import DECODE, DONE, PREFILL, WAITING, KvCacheManager, ReqState
@@ -71,34 +79,9 @@ from simulator.records import (
     as_token_array,
     fed_tokens,
 )
+from simulator.step_stats import StepStats
 
-_NONE: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """vLLM's flags: `--num-gpu-blocks-override`, `--block-size`, `--max-num-batched-tokens`,
-    `--max-num-seqs`; `cpu_blocks`: the CPU offload tier's capacity in blocks (0: none); `model`: the
-    served model name (its metrics' `model_name`); `dp_rank`: the data-parallel rank in its events."""
-
-    num_gpu_blocks: int = 4096  # including vLLM's reserved null block
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    cpu_blocks: int = 0
-    model: str = "model"
-    dp_rank: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_gpu_blocks < 2:
-            raise ValueError("num_gpu_blocks must be >= 2 (one is the null block)")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.cpu_blocks < 0:
-            raise ValueError("cpu_blocks must be >= 0")
-        if self.max_num_seqs > self.max_num_batched_tokens:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode takes a token)")
+__all__ = ["Engine", "EngineConfig"]
 
 
 Wake = list[tuple[ReqState, int]]
@@ -145,8 +128,10 @@ class Engine:
         self._step = 0
         self._bounds: list[int] = []  # heap: the last step a span may reach, per pending wake (lazy)
         self._span: tuple[int, list[float], int, Handle] | None = None  # (first step, ends, ctx, event)
+        self._span_stats = False  # the span's first step's end has not been taken into `stats` yet
         self._order = 0
-        self._aborts: list[ReqState] = []  # running requests aborted, leaving at the next step's start
+        self._aborts: list[ReqState] = []  # running requests aborted, leaving at the next step end or start
+        self._arrivals: list[ReqState] = []  # waiting, submitted since the current step was scheduled
         self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
         self._preempted = False
@@ -155,7 +140,7 @@ class Engine:
         self.steps = 0
         self.preemptions = 0
         self._loras = False  # set once a request names a LoRA adapter
-        self._models = frozenset({cfg.model})
+        self.stats = StepStats(cfg.block_size, cfg.num_gpu_blocks, frozenset({cfg.model}))
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> RequestRecord:
@@ -181,6 +166,7 @@ class Engine:
         state = self.kv.new_request(rec, tokens)
         self._states[id(rec)] = state
         self.waiting.append(state)
+        self._arrivals.append(state)
         if self._span is not None:
             self._cut_span()
         if not self._busy:
@@ -190,17 +176,19 @@ class Engine:
 
     def abort(self, rec: RequestRecord) -> bool:
         """vLLM's abort (its client went away): a waiting request leaves the queue now; a running one
-        leaves before the next step is scheduled, as vLLM's engine core handles aborts between steps (the
-        step in progress computes it; a span is cut at that step). Its blocks are freed, last first, and
-        stay in the prefix cache; no callback fires for it; `rec.aborted_s` is when the abort came. A running
-        request whose last token comes in the step in progress finishes instead (its `aborted_s` is then
-        None again), as in vLLM. False when it already finished or was aborted."""
+        leaves at the end of the step in progress (a span is cut at that step), before its outputs: as
+        vLLM's `EngineCore.step` processes the aborts that came during the model's execution before
+        `update_from_output`, it gets no token from that step, and one whose last token that step computes
+        does not finish. Its blocks are freed, last first, and stay in the prefix cache; no callback fires
+        for it; `rec.aborted_s` is when the abort came. False when it already finished or was aborted."""
         r = self._states.pop(id(rec), None)
         if r is None or r.rec is not rec:
             return False
         rec.aborted_s = self.kernel.now()
         if r.phase == WAITING:
             self.waiting.remove(r)
+            if r in self._arrivals:
+                self._arrivals.remove(r)
             r.phase = DONE
             return True
         self._aborts.append(r)
@@ -209,18 +197,22 @@ class Engine:
         return True
 
     def _leave(self, s: int) -> None:
-        """The aborted running requests leave, before step s is scheduled."""
+        """The aborted running requests leave: at the end of step s, before its outputs (what it computed
+        for them is dropped), or before step s is scheduled when they were aborted between steps."""
+        prefill = False
         for v in self._aborts:
-            if v.phase == DONE:
-                continue  # finished at the end of the step in progress
+            prefill = prefill or v.phase == PREFILL
             self._unschedule(v, s)
             v.phase = DONE
             v.rec.output_tokens = v.outputs
         self._aborts = []
+        if prefill and self._chunks:
+            self._chunks = [c for c in self._chunks if c[0].phase == PREFILL]
 
     # -- one step ------------------------------------------------------------------------------
     def _start_step(self) -> None:
         s = self._step
+        self._arrivals.clear()  # (the engine core took them in: the scheduler sees them now)
         if self._aborts:
             self._leave(s)
         self._preempted = False
@@ -244,6 +236,7 @@ class Engine:
             dt = self.latency.step_seconds(0, 0, 0.0, self._n_dec, self._ctx)
         else:
             self._busy = False
+            self._take_stats()  # (vLLM steps once more to send out what left: an empty step's stats)
             return
         self.steps += 1
         self.kernel.schedule(dt, self._end_step)
@@ -254,6 +247,7 @@ class Engine:
         ends = self.latency.decode_step_ends(self.kernel.now(), last - s + 1, n, self._ctx)
         self.steps += last - s + 1
         self._span = (s, ends, self._ctx, self.kernel.at(ends[-1], self._end_step))
+        self._span_stats = last > s  # (the last step's end is a kernel event: `_end_step` takes its stats)
         self._step = last
         self._ctx += n * (last - s)  # at the start of the last step (its end adds n)
 
@@ -319,7 +313,8 @@ class Engine:
                 if loaded:
                     reload += self.latency.reload_seconds(loaded)
                 self.kv.cache_full(r, r.computed + chunk)
-        if not chunks and not self._n_dec:
+        if not chunks and not self._n_dec:  # an empty step (vLLM still makes its stats)
+            self._take_stats()
             if self.waiting:  # everything running was preempted: admit in a fresh step
                 self.kernel.schedule(0.0, self._start_step)
             else:
@@ -408,7 +403,10 @@ class Engine:
 
     def _end_step(self) -> None:
         self._span = None
+        self._span_stats = False
         s = self._step
+        if self._aborts:
+            self._leave(s)
         self._step = s + 1
         now = self.kernel.now()
         self._ctx += self._n_dec
@@ -430,6 +428,7 @@ class Engine:
             self._end_prefills(s, now, done)
         if self.sink is not None:
             self.sink.flush(now)
+        self._take_stats()
         if done:
             for callback, rec in done:
                 if callback is not None:
@@ -480,31 +479,34 @@ class Engine:
         self.kv.free(r)
         rec = r.rec
         rec.finished_s = now
-        rec.aborted_s = None  # (an abort that came during its last step: it finished first)
         rec.output_tokens = r.outputs
+
+    def _take_stats(self) -> None:
+        """vLLM's `make_stats` at the end of a step: what `metrics()` shows until the next one."""
+        waiting = self.waiting
+        self.stats.take(
+            waiting,
+            len(waiting) - len(self._arrivals),
+            self.running.values(),
+            len(self.running),
+            self.pool.num_used,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self._loras,
+        )
 
     # -- observation ---------------------------------------------------------------------------
     def metrics(self, now: float | None = None) -> MetricsSnapshot:
-        """What the EPP's scraper builds from this engine's vLLM `/metrics` page right now."""
-        pool = self.pool
-        running_loras = waiting_loras = _NONE
-        if self._loras:  # only engines that ever served an adapter walk their queues for it
-            running_loras = frozenset(r.lora for r in self.running.values() if r.lora)
-            waiting_loras = frozenset(r.lora for r in self.waiting if r.lora)
-        usable = pool.num_blocks - 1
-        return metrics_snapshot(  # (a scrape per engine every 50 ms in the cluster)
-            self.kernel.now() if now is None else now,  # observed_at
-            len(self.waiting),  # waiting
-            len(self.running),  # running
-            (usable - pool.num_free) / usable,  # kv_usage
-            self.block_size,  # block_size
-            self.config.num_gpu_blocks,  # num_gpu_blocks
-            float(self.prefix_cache_queries),  # prefix_cache_queries
-            float(self.prefix_cache_hits),  # prefix_cache_hits
-            self._models,  # models
-            running_loras,  # running_lora_adapters
-            waiting_loras,  # waiting_lora_adapters
-        )
+        """What the EPP's scraper builds from this engine's vLLM `/metrics` page now: the stats of the end
+        of the last step (`step_stats.py`), not the scheduler's state mid-step. The live state stays in
+        `waiting`, `running`, `pool` and the `prefix_cache_*` counters."""
+        span = self._span
+        if self._span_stats and span is not None and len(span[1]) > 1 and span[1][0] <= self.kernel.now():
+            # the span's first step has ended (its start took the blocks of its wakes; nothing changes
+            # after it): the stats its end would have made, as `steps_ended` counts it
+            self._span_stats = False
+            self._take_stats()
+        return self.stats.snapshot(self.kernel.now() if now is None else now)
 
     def probe(
         self, token_ids: TokenIds, cache_salt: str | None = None, lora_name: str | None = None

@@ -7,7 +7,12 @@ The scheduler (`engine.py`) decides who runs; this module takes and releases blo
   `hashing.py`, chained from a root per LoRA adapter and cache salt);
 - `admit` finds the prefix hit (GPU run, capped at floor((len - 1) / block_size) blocks, then the
   CPU tier's continuation up to the same cap), takes the hit blocks and allocates the rest of the
-  first chunk's blocks, or refuses when they do not fit (the scheduler keeps the request waiting);
+  first chunk's blocks; it refuses (the scheduler keeps the request waiting) unless the blocks of the
+  *whole* sequence fit, as vLLM's admission gate (`allocate_slots(..., full_sequence_must_fit=True)`,
+  its default `scheduler_reserve_full_isl`): the blocks its tokens need beyond the GPU hit, plus the
+  hit blocks that sit in the free queue (touching them takes them from it), at most the free blocks.
+  Only the first chunk's blocks are taken; the rest come chunk by chunk (`grow`), so a running
+  request can still be preempted for them;
 - `grow` allocates the blocks a chunk or a decode token reaches (False when too few are free: the
   scheduler preempts and retries);
 - `cache_full` hashes and caches the blocks the scheduled tokens fill, as vLLM's `allocate_slots`
@@ -154,11 +159,11 @@ class KvCacheManager:
 
     def admit(self, r: ReqState, budget: int) -> tuple[int, int, int] | None:
         """Take r's prefix hit and the blocks of its first chunk (at most `budget` tokens): (GPU hit blocks,
-        CPU-loaded blocks, chunk tokens), with r.computed = the hit; None (nothing taken) if they do not
-        fit. r holds no blocks."""
+        CPU-loaded blocks, chunk tokens), with r.computed = the hit; None (nothing taken) unless the whole
+        sequence's blocks fit (see the module docstring). r holds no blocks."""
         bs = self.block_size
         pool = self.pool
-        n = r.target
+        n = r.target  # vLLM's request.num_tokens: the prompt, and the outputs after a preemption
         limit = (n - 1) // bs  # vLLM always computes at least one prompt token
         hit_ids = pool.lookup_ids(r.values, limit)
         nh = len(hit_ids)
@@ -167,12 +172,13 @@ class KvCacheManager:
         computed = (nh + nc) * bs
         chunk = min(n - computed, budget)
         need = -(-(computed + chunk) // bs) - nh
+        full = -(-n // bs) - nh  # the gate: every block past the GPU hit (CPU-tier blocks need GPU ones)
         table = r.table
-        if nh:
-            if not pool.touch_if_fits(hit_ids, need):
+        if nh:  # plus the hit blocks that touching takes out of the free queue
+            if not pool.touch_if_fits(hit_ids, full):
                 return None
             table[:nh] = hit_ids
-        elif need > pool.num_free:
+        elif full > pool.num_free:
             return None
         if nc and cpu is not None:
             cpu.load(r.hashes[nh : nh + nc])

@@ -17,6 +17,7 @@ PURE = [
     "epp/config.py",
     "epp/config_sections.py",
     "epp/requests.py",
+    "epp/responses_api.py",
     "epp/usage.py",
     "epp/datastore.py",
     "epp/accounting.py",
@@ -37,6 +38,9 @@ PURE = [
     "simulator/records.py",
     "simulator/kvcache.py",
     "simulator/engine.py",
+    "simulator/engine_config.py",
+    "simulator/step_stats.py",
+    "simulator/trace_span.py",
     "simulator/engine_replay.py",
 ]
 FORBIDDEN_MODULES = {"asyncio", "grpc", "aiohttp", "zmq", "prometheus_client", "kubernetes_asyncio", "time"}

@@ -648,14 +648,21 @@ def test_concurrent_requests_conserve_blocks_and_the_index_agrees(
 
 
 def test_metrics_while_busy_are_what_the_scraper_would_read() -> None:
+    """vLLM's /metrics shows the stats made at the end of the last step (`step_stats.py`)."""
     run = make(num_gpu_blocks=11, block_size=4, max_num_seqs=2, model="llama")  # 10 usable
     e = run.engine
     for i in range(3):
         e.submit(SimRequest(f"r{i}", toks(i * 100, 8), max_tokens=4, lora_name="ad" if i == 2 else None))
     run.kernel.step()  # the first step started: two admitted (max_num_seqs), one waiting
+    assert (len(e.waiting), len(e.running), e.pool.num_used) == (1, 2, 4)  # the scheduler, live
+    m = e.metrics()
+    assert (m.waiting, m.running, m.kv_usage, m.prefix_cache_queries) == (0, 0, 0.0, 0.0)  # no step ended yet
+    run.kernel.step()  # its end (the next step starts right after: the decodes take their third block)
+    assert e.pool.num_used == 6
     m = e.metrics()
     assert (m.waiting, m.running) == (1, 2)
-    assert m.kv_usage == pytest.approx(4 / 10)  # 2 blocks each
+    assert m.kv_usage == pytest.approx(4 / 10)  # 2 blocks each, at the end of the first step
+    assert m.prefix_cache_queries == 16
     assert m.models == frozenset({"llama"}) and m.waiting_lora_adapters == frozenset({"ad"})
     assert m.observed_at == run.kernel.now() and e.metrics(5.0).observed_at == 5.0
     run.kernel.run()
@@ -702,10 +709,11 @@ def test_default_outputs_are_deterministic_and_bad_requests_are_refused() -> Non
         Engine(Kernel(), EngineConfig(), "no-such-profile")
 
 
-def test_an_aborted_request_leaves_before_the_next_step_and_its_blocks_stay_cached() -> None:
-    """vLLM's abort: a waiting request leaves at once; a running one after the step in progress (which
-    computes it), with no finish; its blocks are freed and stay in the prefix cache; one whose last token
-    comes in the step in progress finishes instead; a second abort, or one after the finish, is False."""
+def test_an_aborted_request_leaves_at_the_end_of_the_step_and_its_blocks_stay_cached() -> None:
+    """vLLM's abort: a waiting request leaves at once; a running one at the end of the step in progress,
+    before its outputs, with no finish; its blocks are freed and stay in the prefix cache; even one whose
+    last token that step computes is aborted (vLLM's `EngineCore.step` drains its aborts queue before
+    `update_from_output`); a second abort, or one after the finish, is False."""
     run = make(num_gpu_blocks=64, block_size=16, max_num_seqs=1)
     e, k = run.engine, run.kernel
     long_ = e.submit(SimRequest("long", toks(0, 64), 500))
@@ -725,6 +733,7 @@ def test_an_aborted_request_leaves_before_the_next_step_and_its_blocks_stay_cach
     last = e.submit(SimRequest("last", toks(5000, 16), 2))
     while last.first_token_s is None:
         k.step()
-    assert e.abort(last)  # during its last step: it finishes first
+    assert e.abort(last)  # during its last step: the abort wins
     k.run()
-    assert last.finished_s is not None and last.aborted_s is None and last.output_tokens == 2
+    assert last.finished_s is None and last.aborted_s is not None and last.output_tokens == 1
+    assert [name for name, _ in run.finished] == ["r0"] and e.pool.num_used == 0

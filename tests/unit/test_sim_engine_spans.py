@@ -164,13 +164,13 @@ def test_aborts_from_outside_change_nothing_between_spans_and_steps_and_leave_th
     reqs: list[tuple[float, int, int, int]], cfg: EngineConfig, aborts: list[tuple[float, int]]
 ) -> None:
     """Aborts (a client going away, as the serving driver reports it) mid-span or not: the same records,
-    calls and events with spans as without; an aborted request never finishes, and every block is
-    accounted for."""
+    calls, events and metrics with spans as without; an aborted request never finishes, and every block
+    is accounted for."""
     moments = sorted(
         [(at, i, False) for i, (at, *_rest) in enumerate(reqs)] + [(t, j, True) for t, j in aborts]
     )
     twins = [twin(False, cfg), twin(True, cfg)]
-    results: list[list[bool]] = [[], []]
+    results: list[list[object]] = [[], []]
     for t, out in zip(twins, results, strict=True):
         for at, i, abort in moments:
             t.kernel.run(until=at)
@@ -181,6 +181,8 @@ def test_aborts_from_outside_change_nothing_between_spans_and_steps_and_leave_th
                 _, family, n, m = reqs[i]
                 if fits(cfg, n, m):
                     t.submit(i, prompt_of(family, n), m)
+            mx = t.engine.metrics()
+            out.append((mx.running, mx.waiting, mx.kv_usage, mx.prefix_cache_queries))
         t.kernel.run()
         t.engine.pool.check()
         assert t.engine.idle and not t.engine.running and not t.engine.waiting
