@@ -11,13 +11,27 @@ manager's (`kvcache.py`, over `blocks.py` and `offload.py`), as vLLM splits its 
    prefill do), so a running request never skips a step.
 2. Running requests still in their prefill get the next chunk, in admission order, while the
    token budget (`max_num_batched_tokens`) lasts: chunked prefill.
-3. Unless a request was preempted in this step, waiting requests are admitted in order while the
-   budget lasts and fewer than `max_num_seqs` run: the prefix-cache hit (GPU, then the CPU tier's
-   continuation, loaded at the tier's bandwidth and latency within the step) counts as computed,
-   the first chunk is scheduled and the blocks for hit + chunk are taken. A request is admitted only
-   if the blocks of its whole sequence fit (vLLM's default admission gate,
-   `scheduler_reserve_full_isl`; `kvcache.KvCacheManager.admit`), not just its first chunk's; one
-   that does not waits, and so does everything behind it (FCFS, as vLLM).
+3. Unless a request was preempted in this step, the requests whose CPU-tier load has ended are
+   scheduled (below), then waiting requests are admitted in order while the budget lasts and fewer
+   than `max_num_seqs` run: the GPU prefix-cache hit counts as computed, the first chunk is
+   scheduled and the blocks for hit + chunk are taken. A request is admitted only if the blocks of
+   its whole sequence fit (vLLM's default admission gate, `scheduler_reserve_full_isl`;
+   `kvcache.KvCacheManager.admit`), not just its first chunk's; one that does not waits, and so does
+   everything behind it (FCFS, as vLLM).
+
+CPU-tier loads, as vLLM's offloading connector runs them (`load_kv_async`: the scheduler's
+WAITING_FOR_REMOTE_KVS). A waiting request whose GPU hit the CPU tier continues is not scheduled
+when it is admitted: its hit blocks and the blocks to load into are taken (the latter uncached), its
+lookup is counted, and it waits (`_holding`, vLLM's `kv_holding_waiting`: a waiting request in the
+stats, never preempted) while the requests behind it are admitted; its load takes
+`latency.reload_seconds` from that step's start and no step's time. A load starts only if its blocks
+fit beside what the in-flight prefills and loads still need for their whole sequences (vLLM's
+`reserved_blocks`). The load is reported finished at the first step start at or after its end (vLLM's
+worker reports it at the end of the step in progress; an engine with nothing else to run steps idly
+until then, here it waits for the load's end). From then the request is scheduled before the waiting
+ones, in the order the loads started: its loaded blocks are cached (one `BlockStored`) and, if the
+rest of its sequence fits, its first chunk runs with hit + load counted as computed
+(`Scheduler._update_waiting_for_remote_kv`); if not, nothing behind it is admitted in that step.
 
 A request submitted while a step runs joins the queue the scheduler sees when the next step is
 scheduled, as vLLM's engine core takes in new requests between steps.
@@ -48,11 +62,11 @@ kernel event: the engine computes each step's end time as the kernel would (one 
 mid-span (metrics, probes, `steps_ended`). A request submitted mid-span cuts the span at the end of
 the step in progress, where the step-by-step engine would have seen it.
 
-Abort (`abort`, a client gone): a waiting request leaves at once; a running one leaves at the end of
-the step in progress, before that step's outputs are processed (vLLM's `EngineCore.step` drains its
-aborts queue before `update_from_output`), so it gets no token from that step and never finishes, even
-when that step would have given its last token. One aborted between two steps leaves before the next
-is scheduled.
+Abort (`abort`, a client gone): a waiting request leaves at once; a running or loading one leaves at
+the end of the step in progress, before that step's outputs are processed (vLLM's `EngineCore.step`
+drains its aborts queue before `update_from_output`), so it gets no token from that step and never
+finishes, even when that step would have given its last token. One aborted between two steps (or
+while the engine only waits for a load) leaves before the next is scheduled.
 
 Outputs: KV events (`events.py`) at the end of each step that produced any; `metrics()` as the
 EPP's scraper would read vLLM's `/metrics`: the stats of the end of the last step (`step_stats.py`);
@@ -64,12 +78,13 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 from collections import deque
+from itertools import chain
 
 from epp.types import MetricsSnapshot
 from simulator.engine_config import EngineConfig
 from simulator.events import EventSink, OnEvents
 from simulator.kernel import Handle, Kernel
-from simulator.kvcache import DECODE, DONE, PREFILL, WAITING, KvCacheManager, ReqState
+from simulator.kvcache import DECODE, DONE, LOADED, LOADING, PREFILL, WAITING, KvCacheManager, ReqState
 from simulator.latency import DEFAULT_PROFILE, LatencyProfile, latency_profile
 from simulator.records import (
     RequestCallback,
@@ -132,6 +147,8 @@ class Engine:
         self._order = 0
         self._aborts: list[ReqState] = []  # running requests aborted, leaving at the next step end or start
         self._arrivals: list[ReqState] = []  # waiting, submitted since the current step was scheduled
+        self._holding: list[ReqState] = []  # loading their CPU-tier hit (vLLM's kv_holding_waiting), in order
+        self._wait: Handle | None = None  # no step runs: the engine waits for the first load to end
         self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
         self._preempted = False
@@ -172,6 +189,8 @@ class Engine:
         if not self._busy:
             self._busy = True
             self.kernel.schedule(0.0, self._start_step)
+        elif self._wait is not None:
+            self._wake_up()
         return rec
 
     def abort(self, rec: RequestRecord) -> bool:
@@ -191,9 +210,11 @@ class Engine:
                 self._arrivals.remove(r)
             r.phase = DONE
             return True
-        self._aborts.append(r)
+        self._aborts.append(r)  # (a request loading its CPU-tier hit leaves as a running one does)
         if self._span is not None:
             self._cut_span()
+        elif self._wait is not None:
+            self._wake_up()
         return True
 
     def _leave(self, s: int) -> None:
@@ -201,8 +222,12 @@ class Engine:
         for them is dropped), or before step s is scheduled when they were aborted between steps."""
         prefill = False
         for v in self._aborts:
-            prefill = prefill or v.phase == PREFILL
-            self._unschedule(v, s)
+            if v.phase == LOADING or v.phase == LOADED:
+                self._holding.remove(v)
+                self.kv.free(v)
+            else:
+                prefill = prefill or v.phase == PREFILL
+                self._unschedule(v, s)
             v.phase = DONE
             v.rec.output_tokens = v.outputs
         self._aborts = []
@@ -213,6 +238,8 @@ class Engine:
     def _start_step(self) -> None:
         s = self._step
         self._arrivals.clear()  # (the engine core took them in: the scheduler sees them now)
+        if self._holding:
+            self._loads_ended()
         if self._aborts:
             self._leave(s)
         self._preempted = False
@@ -224,7 +251,7 @@ class Engine:
         bounds = self._bounds
         while bounds and bounds[0] < s:
             heapq.heappop(bounds)
-        if self._prefilling or self.waiting:
+        if self._prefilling or self.waiting or self._holding:
             dt = self._schedule_prefills(s)
             if dt is None:
                 return
@@ -271,7 +298,7 @@ class Engine:
         if self._span is not None:
             ends = self._span[1]
             return self.steps - len(ends) + min(bisect_right(ends, self.kernel.now()), len(ends) - 1)
-        return self.steps - (1 if self._busy else 0)
+        return self.steps - (1 if self._busy and self._wait is None else 0)
 
     def _schedule_prefills(self, s: int) -> float | None:
         """Steps 2 and 3 of the module docstring; the step's time, or None when the step is empty."""
@@ -294,57 +321,130 @@ class Engine:
             tokens += chunk
             pairs += chunk * (r.computed + chunk / 2.0)
         starts = 0
-        reload = 0.0
         if not self._preempted:
             waiting, running = self.waiting, self.running
             max_seqs = self.config.max_num_seqs
             now = self.kernel.now()
-            while waiting and budget > 0 and len(running) < max_seqs:
+            more = True
+            if self._holding:  # vLLM schedules the waiting requests that hold blocks first
+                kv = self.kv
+                for r in tuple(self._holding):
+                    if budget <= 0 or len(running) >= max_seqs:
+                        more = False
+                        break
+                    if r.phase == LOADING:
+                        continue  # skipped for this step
+                    kv.cache_full(r, r.computed)  # its loaded blocks are cached (one BlockStored)
+                    if kv.remaining(r) > self.pool.num_free:  # the whole-sequence gate
+                        more = False
+                        break
+                    self._holding.remove(r)
+                    self._run(r, now)
+                    chunk = r.target - r.computed if r.target - r.computed < budget else budget
+                    kv.grow(r, r.computed + chunk)  # (it fits: the gate)
+                    chunks.append((r, chunk))
+                    budget -= chunk
+                    tokens += chunk
+                    pairs += chunk * (r.computed + chunk / 2.0)
+                    starts += 1
+                    kv.cache_full(r, r.computed + chunk)
+            while more and waiting and budget > 0 and len(running) < max_seqs:
                 r = waiting[0]
                 loaded = self._admit(r, budget, now)
                 if loaded < 0:
                     break
+                if loaded:
+                    continue  # it waits for its CPU-tier load, holding its blocks
                 chunk = r.target - r.computed if r.target - r.computed < budget else budget
                 chunks.append((r, chunk))
                 budget -= chunk
                 tokens += chunk
                 pairs += chunk * (r.computed + chunk / 2.0)
                 starts += 1
-                if loaded:
-                    reload += self.latency.reload_seconds(loaded)
                 self.kv.cache_full(r, r.computed + chunk)
         if not chunks and not self._n_dec:  # an empty step (vLLM still makes its stats)
+            if self.sink is not None and self.sink.events:  # (a load's allocation evicted blocks)
+                self.sink.flush(self.kernel.now())
             self._take_stats()
-            if self.waiting:  # everything running was preempted: admit in a fresh step
-                self.kernel.schedule(0.0, self._start_step)
+            if self.waiting and (self._preempted or not self._holding):
+                self.kernel.schedule(0.0, self._start_step)  # everything running was preempted: admit afresh
+            elif self._holding:
+                self._await_load()
             else:
                 self._busy = False
             return None
         self._chunks = chunks
-        return self.latency.step_seconds(starts, tokens, pairs, self._n_dec, self._ctx) + reload
+        return self.latency.step_seconds(starts, tokens, pairs, self._n_dec, self._ctx)
 
     def _admit(self, r: ReqState, budget: int, now: float) -> int:
-        """Schedule waiting request `r` (the queue's head): -1 if its blocks do not fit, else the tokens it
-        loads from the CPU tier; r.computed is then its hit and its first chunk's blocks are taken."""
-        got = self.kv.admit(r, budget)
+        """Waiting request `r` (the queue's head): -1 if its blocks do not fit; else it leaves the queue, its
+        prefix-cache lookup is counted, and it is either scheduled (0: r.computed is its hit, its first
+        chunk's blocks are taken) or, when the CPU tier continues its hit, left waiting for that load (the
+        tokens loaded: the blocks of hit and load are taken, nothing is scheduled; `_holding`)."""
+        got = self.kv.admit(r, budget, self._reserved_blocks)
         if got is None:
             return -1
         nh, nc, _ = got
         self.waiting.popleft()
+        rec = r.rec
+        bs = self.block_size
+        if rec.scheduled_s is None:  # not a preempted request's return
+            rec.cached_tokens = nh * bs
+            rec.cpu_loaded_tokens = nc * bs
+            self.prefix_cache_queries += r.target
+            self.prefix_cache_hits += nh * bs
+        if nc:
+            r.phase = LOADING
+            r.ready_s = now + self.latency.reload_seconds(nc * bs)
+            self._holding.append(r)
+            return nc * bs
+        self._run(r, now)
+        return 0
+
+    def _run(self, r: ReqState, now: float) -> None:
+        """r is scheduled (admitted to the running set): its prefill starts."""
         r.phase = PREFILL
         r.order = self._order
         self._order += 1
         self.running[r.order] = r
         self._prefilling.append(r)
-        rec = r.rec
-        if rec.scheduled_s is None:  # not a preempted request's return
-            bs = self.block_size
-            rec.scheduled_s = now
-            rec.cached_tokens = nh * bs
-            rec.cpu_loaded_tokens = nc * bs
-            self.prefix_cache_queries += r.target
-            self.prefix_cache_hits += nh * bs
-        return nc * self.block_size
+        if r.rec.scheduled_s is None:
+            r.rec.scheduled_s = now
+
+    # -- CPU-tier loads (vLLM's offloading connector: `load_kv_async`, WAITING_FOR_REMOTE_KVS) -------
+    def _reserved_blocks(self) -> int:
+        """vLLM's `_inflight_prefill_reserved_blocks`: the blocks that the running requests still in their
+        prefill and the loading ones still need for their whole sequences (a load must leave them free)."""
+        remaining = self.kv.remaining
+        return sum(remaining(r) for r in self._prefilling) + sum(remaining(r) for r in self._holding)
+
+    def _loads_ended(self) -> None:
+        """At a step's start: the loads that have ended are reported finished (vLLM's worker reports them at
+        the end of the step in progress, `finished_recving`; an engine with nothing else to run steps idly
+        until then), so those requests can be scheduled."""
+        now = self.kernel.now()
+        for r in self._holding:
+            if r.phase == LOADING and r.ready_s <= now:
+                r.phase = LOADED
+
+    def _await_load(self) -> None:
+        """Nothing to run but loads: the next step starts when the first one ends (or a request arrives or
+        leaves: `_wake_up`)."""
+        ends = [r.ready_s for r in self._holding if r.phase == LOADING]
+        if not ends:  # (the gate that starts a load keeps the blocks of the loads before it free)
+            raise AssertionError("requests holding loaded blocks cannot be scheduled on an idle engine")
+        self._wait = self.kernel.at(max(min(ends), self.kernel.now()), self._load_waited)
+
+    def _load_waited(self) -> None:
+        self._wait = None
+        self._start_step()
+
+    def _wake_up(self) -> None:
+        """A request arrived or left while the engine waits for a load: it steps now."""
+        assert self._wait is not None
+        self.kernel.cancel(self._wait)
+        self._wait = None
+        self.kernel.schedule(0.0, self._start_step)
 
     def _grow(self, r: ReqState, upto: int, s: int) -> bool:
         """Blocks for r's first `upto` tokens, preempting the newest running requests if needed; False
@@ -433,7 +533,7 @@ class Engine:
             for callback, rec in done:
                 if callback is not None:
                     callback(rec, now)
-        if not (self.waiting or self.running):
+        if not (self.waiting or self.running or self._holding):
             self._busy = False
         elif self.kernel.peek() > now:
             self._start_step()  # nothing else happens at `now`: the same as scheduling it
@@ -484,9 +584,10 @@ class Engine:
     def _take_stats(self) -> None:
         """vLLM's `make_stats` at the end of a step: what `metrics()` shows until the next one."""
         waiting = self.waiting
+        holding = self._holding  # (loading requests wait: vLLM counts WAITING_FOR_REMOTE_KVS as waiting)
         self.stats.take(
-            waiting,
-            len(waiting) - len(self._arrivals),
+            chain(holding, waiting) if holding else waiting,
+            len(holding) + len(waiting) - len(self._arrivals),
             self.running.values(),
             len(self.running),
             self.pool.num_used,

@@ -12,7 +12,8 @@ The scheduler (`engine.py`) decides who runs; this module takes and releases blo
   its default `scheduler_reserve_full_isl`): the blocks its tokens need beyond the GPU hit, plus the
   hit blocks that sit in the free queue (touching them takes them from it), at most the free blocks.
   Only the first chunk's blocks are taken; the rest come chunk by chunk (`grow`), so a running
-  request can still be preempted for them;
+  request can still be preempted for them. A request the CPU tier continues is not scheduled: the
+  blocks to load its continuation into are allocated (uncached) and the engine waits for the load;
 - `grow` allocates the blocks a chunk or a decode token reaches (False when too few are free: the
   scheduler preempts and retries);
 - `cache_full` hashes and caches the blocks the scheduled tokens fill, as vLLM's `allocate_slots`
@@ -27,6 +28,7 @@ events always knows the parent of what it stores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from simulator.records import RequestRecord
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
+LOADING, LOADED = 4, 5  # its CPU-tier hit being loaded; the load reported finished, not yet scheduled
 
 
 class ReqState:
@@ -61,6 +64,7 @@ class ReqState:
         "outputs",
         "phase",
         "prompt_len",
+        "ready_s",
         "rec",
         "s0",
         "s_fin",
@@ -98,6 +102,7 @@ class ReqState:
         self.target = self.prompt_len  # tokens to prefill: the prompt, plus outputs after a preemption
         self.phase = WAITING
         self.order = self.epoch = self.s0 = self.c0 = self.o0 = self.s_fin = 0
+        self.ready_s = 0.0  # LOADING: when its CPU-tier load ends
 
     @property
     def hashes(self) -> list[int]:
@@ -157,10 +162,19 @@ class KvCacheManager:
         nc = self.cpu.run(values.tolist(), nh, len(values)) if self.cpu is not None else 0
         return nh * bs, nc * bs
 
-    def admit(self, r: ReqState, budget: int) -> tuple[int, int, int] | None:
+    def admit(
+        self, r: ReqState, budget: int, reserved: Callable[[], int] | None = None
+    ) -> tuple[int, int, int] | None:
         """Take r's prefix hit and the blocks of its first chunk (at most `budget` tokens): (GPU hit blocks,
-        CPU-loaded blocks, chunk tokens), with r.computed = the hit; None (nothing taken) unless the whole
-        sequence's blocks fit (see the module docstring). r holds no blocks."""
+        CPU-tier blocks, chunk tokens), with r.computed = the hit; None (nothing taken) unless the whole
+        sequence's blocks fit (see the module docstring). r holds no blocks.
+
+        With a CPU-tier continuation (nc > 0) no chunk is scheduled (chunk 0): vLLM's asynchronous load (the
+        offloading connector's `load_kv_async`). The hit blocks are taken and nc blocks allocated for the
+        load, not cached until it has ended (`allocate_slots(..., delay_cache_blocks=True)`; `cache_full`
+        then), and r.computed counts them. Besides the whole-sequence gate the nc blocks must fit beside
+        `reserved()`, the blocks that the in-flight prefills and loads still need (vLLM's
+        `reserved_blocks`)."""
         bs = self.block_size
         pool = self.pool
         n = r.target  # vLLM's request.num_tokens: the prompt, and the outputs after a preemption
@@ -169,16 +183,23 @@ class KvCacheManager:
         nh = len(hit_ids)
         cpu = self.cpu
         nc = cpu.run(r.hashes, nh, limit) if cpu is not None and nh < limit else 0
-        computed = (nh + nc) * bs
-        chunk = min(n - computed, budget)
-        need = -(-(computed + chunk) // bs) - nh
         full = -(-n // bs) - nh  # the gate: every block past the GPU hit (CPU-tier blocks need GPU ones)
+        if nc:
+            computed = (nh + nc) * bs
+            chunk = 0
+            need = nc
+            fit = max(full, nc + reserved()) if reserved is not None else full
+        else:
+            computed = nh * bs
+            chunk = min(n - computed, budget)
+            need = -(-(computed + chunk) // bs) - nh
+            fit = full
         table = r.table
         if nh:  # plus the hit blocks that touching takes out of the free queue
-            if not pool.touch_if_fits(hit_ids, full):
+            if not pool.touch_if_fits(hit_ids, fit):
                 return None
             table[:nh] = hit_ids
-        elif full > pool.num_free:
+        elif fit > pool.num_free:
             return None
         if nc and cpu is not None:
             cpu.load(r.hashes[nh : nh + nc])
@@ -186,6 +207,10 @@ class KvCacheManager:
         r.computed = computed
         self._take(r, need)
         return nh, nc, chunk
+
+    def remaining(self, r: ReqState) -> int:
+        """Blocks r still needs to hold its whole sequence (vLLM's `_request_remaining_blocks`)."""
+        return -(-r.target // self.block_size) - r.nblocks
 
     def grow(self, r: ReqState, upto: int) -> bool:
         """Blocks for r's first `upto` tokens; False (nothing taken) when too few are free."""

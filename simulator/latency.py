@@ -9,7 +9,9 @@ and one decode token for every running sequence past its prefill. Its time is a 
          + decode_fixed          if starts == 0   (the step's fixed cost when no prefill starts)
          + decode_per_sequence * b + decode_per_context_token * k
                                                   (b decoding sequences holding k KV tokens)
-         + reload                                 (CPU-tier loads, see `reload_seconds`)
+
+A CPU-tier load (`reload_seconds`) is not part of any step: as with vLLM's offloading connector, the
+loading request waits for it beside the steps, and the others' steps do not slow down (`engine.py`).
 
 where `c_i` is the context already computed (or cached) before chunk i. Why a sum and not
 `max(compute-bound prefill, memory-bound decode)`: the chunks and the decode tokens run in one

@@ -8,7 +8,9 @@ queue between steps) and before the next step is scheduled. A scrape returns the
 - `num_requests_waiting` / `num_requests_running` / `kv_cache_usage_perc`: the queues and the
   blocks in use at the end of the last step. A request that arrived during the step in progress is
   not waiting yet, and one that arrives during a step and is admitted at the next one is never seen
-  waiting; the blocks the step in progress took are not in use yet;
+  waiting; the blocks the step in progress took are not in use yet. A request loading its CPU-tier
+  hit is waiting (vLLM's gauge adds its WAITING_FOR_REMOTE_KVS requests, `num_skipped_waiting_reqs`,
+  to the others) and its blocks are in use;
 - `prefix_cache_queries` / `prefix_cache_hits`: vLLM records a request's lookup when the scheduler
   admits it and publishes the step's totals with the same stats, so they move at the end of the step
   that admitted it;

@@ -2,11 +2,12 @@
 
 Series (labels `model_name` and `engine="0"`, as vLLM's V1 engine, except `vllm:cache_config_info`):
 
-- gauges read from the engine at scrape time: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-  `vllm:kv_cache_usage_perc` (0..1), `vllm:cache_config_info` (value 1; `block_size`,
-  `num_gpu_blocks`, `num_cpu_blocks`, `enable_prefix_caching` labels);
-- counters: `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (tokens, read from
-  the engine), `vllm:num_preemptions_total`, `vllm:prompt_tokens_total`,
+- gauges as of the end of the engine's last step, as vLLM makes them once per step
+  (`simulator/step_stats.py`, `Engine.metrics`): `vllm:num_requests_running`,
+  `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (0..1); and `vllm:cache_config_info` (value
+  1; `block_size`, `num_gpu_blocks`, `num_cpu_blocks`, `enable_prefix_caching` labels);
+- counters: `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (tokens, as of the end
+  of the last step too), `vllm:num_preemptions_total`, `vllm:prompt_tokens_total`,
   `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason="length"}`;
 - histograms with vLLM's buckets, in engine seconds: `vllm:time_to_first_token_seconds`,
   `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`.
@@ -104,18 +105,16 @@ class EngineMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         e = self.engine
-        pool = e.pool
         cfg = e.config
+        stats = e.metrics()  # the end of the last step, not the scheduler mid-step
         yield self._gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", len(e.running)
+            "vllm:num_requests_running", "Number of requests in model execution batches.", stats.running
         )
         yield self._gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(e.waiting)
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting
         )
         yield self._gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            pool.num_used / pool.usable,
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage
         )
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
@@ -127,12 +126,12 @@ class EngineMetrics(Collector):
         yield info
         yield self._counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-            e.prefix_cache_queries,
+            stats.prefix_cache_queries or 0.0,
         )  # fmt: skip
         yield self._counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            e.prefix_cache_hits,
+            stats.prefix_cache_hits or 0.0,
         )
         yield self._counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", e.preemptions

@@ -488,10 +488,23 @@ async def test_metrics_show_an_in_flight_request_to_the_epp_parser() -> None:
         tasks = [asyncio.create_task(post(session, srv, "/v1/completions", body)) for _ in range(2)]
         try:
             await eventually(lambda: srv.runner.submitted == 2, "both requests in the engine")
-            busy = await scrape()
-            assert (busy.running, busy.waiting) == (1, 1)  # max_num_seqs=1: one runs, one queues
+            # The page shows the end of the engine's last step, as vLLM's: once a step has ended with both
+            # in the engine, one runs and one queues (max_num_seqs=1), and the running one was looked up.
+            pages: list[Any] = []
+
+            async def both_seen() -> bool:
+                pages.append(await scrape())
+                return (pages[-1].running, pages[-1].waiting) == (1, 1)
+
+            for _ in range(200):
+                if await both_seen():
+                    break
+                await asyncio.sleep(0.01)
+            busy = pages[-1]
+            assert (busy.running, busy.waiting) == (1, 1)
             assert busy.kv_usage is not None and busy.kv_usage > 0
-            assert busy.prefix_cache_queries == 3 * BS  # the running one was looked up
+            assert busy.prefix_cache_queries == 3 * BS
+            assert all(p.waiting <= 1 and p.running <= 1 for p in pages)
         finally:
             for t in tasks:
                 t.cancel()

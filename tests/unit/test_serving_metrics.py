@@ -37,8 +37,13 @@ def test_queue_and_cache_state_reach_the_epp_parser() -> None:
     engine.submit(SimRequest("b", prompt, max_tokens=20))
     kernel.step()  # the first step starts: "a" runs, "b" waits (max_num_seqs=1)
     snap = parse_metrics(metrics.render().decode(), observed_at=1.0)
+    assert (snap.running, snap.waiting, snap.kv_usage) == (0, 0, 0.0)  # no step has ended: vLLM's first stats
+    assert engine.pool.num_used > 0  # (though the step took blocks)
+    while engine.stats.running == 0:  # until the first step has ended
+        kernel.step()
+    snap = parse_metrics(metrics.render().decode(), observed_at=1.0)
     assert (snap.running, snap.waiting) == (1, 1)
-    assert snap.kv_usage == engine.pool.num_used / engine.pool.usable > 0  # (the page reads the engine live)
+    assert snap.kv_usage == engine.metrics().kv_usage > 0
     assert (snap.block_size, snap.num_gpu_blocks) == (BS, 64)
     assert snap.models == frozenset({"m"})
     kernel.run()

@@ -467,8 +467,12 @@ def test_evicted_blocks_go_to_the_cpu_tier_and_are_loaded_back_instead_of_recomp
     cpu_stored = run.stored("cpu")
     assert cpu_stored[0].block_hashes == (HA[1],) and cpu_stored[0].parent_block_hash == HA[0]
     assert cpu_stored[0].token_ids == tuple(A[4:])
+    # the loaded block is cached when the load has ended and a12 is scheduled (vLLM's
+    # `_update_waiting_for_remote_kv`), then its first chunk's block: two BlockStored in one batch
     gpu = run.stored()
-    assert gpu[-1].block_hashes == tuple(hashes_of(a12, 4)[1:]) and gpu[-1].parent_block_hash == HA[0]
+    h12 = hashes_of(a12, 4)
+    assert gpu[-2].block_hashes == (h12[1],) and gpu[-2].parent_block_hash == HA[0]
+    assert gpu[-1].block_hashes == (h12[2],) and gpu[-1].parent_block_hash == h12[1]
     m = run.engine.metrics()
     assert m.prefix_cache_hits == 4  # the CPU part is the connector's, not the prefix cache's
     ingest = KvIngest(BlockIndex(block_size=4, max_entries=1000), FreshnessTracker(), lambda pod: "m")
