@@ -1,8 +1,10 @@
 """One simulated vLLM engine (a pod), close to vLLM's V1 scheduler, driven by the event kernel. Pure.
 
-The scheduler lives here; blocks, the prefix cache, the CPU tier and the KV events are the KV cache
-manager's (`kvcache.py`, over `blocks.py` and `offload.py`), as vLLM splits its `Scheduler` and its
-`KVCacheManager`. Scheduling, per step (one forward pass; its time from
+The engine runs the steps. Who runs in a step is the scheduler's (`scheduler.py`: the waiting queue,
+the running set, admission, chunked prefill and preemption, with the CPU-tier loads of `cpu_loads.py`);
+the decoding requests are booked per event (`decode_batch.py`); blocks, the prefix cache, the CPU tier
+and the KV events are the KV cache manager's (`kvcache.py`, over `blocks.py` and `offload.py`), as vLLM
+splits its `Scheduler` and its `KVCacheManager`. Scheduling, per step (one forward pass; its time from
 `latency.LatencyProfile.step_seconds`, so the EPP's cost model describes this engine):
 
 1. Every running request past its prefill decodes one token (it always fits: `max_num_seqs` is at
@@ -12,48 +14,14 @@ manager's (`kvcache.py`, over `blocks.py` and `offload.py`), as vLLM splits its 
 2. Running requests still in their prefill get the next chunk, in admission order, while the
    token budget (`max_num_batched_tokens`) lasts: chunked prefill.
 3. Unless a request was preempted in this step, the requests whose CPU-tier load has ended are
-   scheduled (below), then waiting requests are admitted in order while the budget lasts and fewer
-   than `max_num_seqs` run: the GPU prefix-cache hit counts as computed, the first chunk is
-   scheduled and the blocks for hit + chunk are taken. A request is admitted only if the blocks of
-   its whole sequence fit (vLLM's default admission gate, `scheduler_reserve_full_isl`;
-   `kvcache.KvCacheManager.admit`), not just its first chunk's; one that does not waits, and so does
-   everything behind it (FCFS, as vLLM).
-
-CPU-tier loads, as vLLM's offloading connector runs them (`load_kv_async`: the scheduler's
-WAITING_FOR_REMOTE_KVS). A waiting request whose GPU hit the CPU tier continues is not scheduled
-when it is admitted: its hit blocks and the blocks to load into are taken (the latter uncached), its
-lookup is counted, and it waits (`_holding`, vLLM's `kv_holding_waiting`: a waiting request in the
-stats, never preempted) while the requests behind it are admitted; its load takes
-`latency.reload_seconds` from that step's start and no step's time. A load starts only if its blocks
-fit beside what the in-flight prefills and loads still need for their whole sequences (vLLM's
-`reserved_blocks`). The load is reported finished at the first step start at or after its end (vLLM's
-worker reports it at the end of the step in progress; an engine with nothing else to run steps idly
-until then, here it waits for the load's end). From then the request is scheduled before the waiting
-ones, in the order the loads started: its loaded blocks are cached (one `BlockStored`) and, if the
-rest of its sequence fits, its first chunk runs with hit + load counted as computed
-(`Scheduler._update_waiting_for_remote_kv`); if not, nothing behind it is admitted in that step.
+   scheduled, then waiting requests are admitted in order while the budget lasts and fewer than
+   `max_num_seqs` run, each only if the blocks of its whole sequence fit (FCFS; `scheduler.py`).
 
 A request submitted while a step runs joins the queue the scheduler sees when the next step is
-scheduled, as vLLM's engine core takes in new requests between steps.
-
-Blocks are taken as needed, as vLLM's `allocate_slots` does: a chunk takes the blocks its tokens
-reach; a decoding request takes one more when its next token starts a block. Full blocks are
-hashed (chained over prompt and generated tokens) and cached when their tokens are scheduled, so a
-request admitted later in the same step already hits them. A request's first output token comes
-at the end of the step that completes its prefill; it finishes after `max_tokens`, and its blocks
-are then freed in reverse order.
-
-Preemption, as vLLM's (recompute): when a running request needs a block and none is free, the
-most recently admitted running request is preempted (its blocks freed, its progress dropped) and
-put at the front of the queue, until the block fits or the request preempted itself. It is
-scheduled again later with its prompt and the tokens it had generated as its prefill (which may
-hit its own freed blocks); its record keeps the hit of its first scheduling and the metrics count
-its query once, as vLLM's do. A request needing more blocks than the engine holds is refused at
-`submit`.
-
-Decode bookkeeping is per event, not per token: a decoding request is looked at only in the steps
-where it starts or fills a block and at its last step (`_wake_start`, `_wake_end`), so a step costs
-Python work for the requests that change state in it, not for the whole batch.
+scheduled, as vLLM's engine core takes in new requests between steps. A request needing more blocks
+than the engine holds is refused at `submit`. A request's first output token comes at the end of the
+step that completes its prefill; it finishes after `max_tokens`, and its blocks are then freed in
+reverse order.
 
 Spans: consecutive decode-only steps in which no request wakes (nothing waits, nothing prefills, no
 event is pending) change nothing but the step counter and the context length, so they run as one
@@ -75,16 +43,16 @@ per-request `RequestRecord`s and the callbacks `on_first_token(record, t)` and `
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_left, bisect_right
-from collections import deque
 from itertools import chain
 
 from epp.types import MetricsSnapshot
+from simulator.cpu_loads import Chunks, LoadQueue
+from simulator.decode_batch import DecodeBatch
 from simulator.engine_config import EngineConfig
 from simulator.events import EventSink, OnEvents
 from simulator.kernel import Handle, Kernel
-from simulator.kvcache import DECODE, DONE, LOADED, LOADING, PREFILL, WAITING, KvCacheManager, ReqState
+from simulator.kvcache import DONE, LOADED, LOADING, PREFILL, WAITING, KvCacheManager, ReqState
 from simulator.latency import DEFAULT_PROFILE, LatencyProfile, latency_profile
 from simulator.records import (
     RequestCallback,
@@ -94,12 +62,10 @@ from simulator.records import (
     as_token_array,
     fed_tokens,
 )
+from simulator.scheduler import Scheduler
 from simulator.step_stats import StepStats
 
 __all__ = ["Engine", "EngineConfig"]
-
-
-Wake = list[tuple[ReqState, int]]
 
 
 class Engine:
@@ -132,32 +98,35 @@ class Engine:
         self.cpu = self.kv.cpu
         self.on_first_token = on_first_token
         self.on_finish = on_finish
-        self.waiting: deque[ReqState] = deque()
-        self.running: dict[int, ReqState] = {}  # by admission order
-        self._prefilling: list[ReqState] = []  # running, prefill incomplete, in admission order
-        self._chunks: list[tuple[ReqState, int]] = []  # this step's prefill chunks
-        self._wake_start: dict[int, Wake] = {}  # step -> decoding requests that start / fill a block
-        self._wake_end: dict[int, Wake] = {}  # step -> decoding requests that finish at its end
-        self._n_dec = 0  # decoding requests
-        self._ctx = 0  # their KV tokens, at the start of the current step
+        self._decodes = DecodeBatch(self.kv)
+        self._loads = LoadQueue(kernel, self.kv, self.latency, self._start_step)
+        self._sched = Scheduler(cfg, self.kv, self._loads, self._decodes)
+        self._grow = self._sched.grow
+        self.waiting = self._sched.waiting
+        self.running = self._sched.running  # by admission order
+        self._chunks: Chunks = []  # this step's prefill chunks
         self._step = 0
-        self._bounds: list[int] = []  # heap: the last step a span may reach, per pending wake (lazy)
         self._span: tuple[int, list[float], int, Handle] | None = None  # (first step, ends, ctx, event)
         self._span_stats = False  # the span's first step's end has not been taken into `stats` yet
-        self._order = 0
         self._aborts: list[ReqState] = []  # running requests aborted, leaving at the next step end or start
         self._arrivals: list[ReqState] = []  # waiting, submitted since the current step was scheduled
-        self._holding: list[ReqState] = []  # loading their CPU-tier hit (vLLM's kv_holding_waiting), in order
-        self._wait: Handle | None = None  # no step runs: the engine waits for the first load to end
         self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
-        self._preempted = False
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
         self.steps = 0
-        self.preemptions = 0
         self._loras = False  # set once a request names a LoRA adapter
         self.stats = StepStats(cfg.block_size, cfg.num_gpu_blocks, frozenset({cfg.model}))
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self._sched.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self._sched.prefix_cache_hits
+
+    @property
+    def preemptions(self) -> int:
+        return self._sched.preemptions
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> RequestRecord:
@@ -189,8 +158,8 @@ class Engine:
         if not self._busy:
             self._busy = True
             self.kernel.schedule(0.0, self._start_step)
-        elif self._wait is not None:
-            self._wake_up()
+        elif self._loads.wait is not None:
+            self._loads.wake_up()
         return rec
 
     def abort(self, rec: RequestRecord) -> bool:
@@ -213,8 +182,8 @@ class Engine:
         self._aborts.append(r)  # (a request loading its CPU-tier hit leaves as a running one does)
         if self._span is not None:
             self._cut_span()
-        elif self._wait is not None:
-            self._wake_up()
+        elif self._loads.wait is not None:
+            self._loads.wake_up()
         return True
 
     def _leave(self, s: int) -> None:
@@ -223,11 +192,10 @@ class Engine:
         prefill = False
         for v in self._aborts:
             if v.phase == LOADING or v.phase == LOADED:
-                self._holding.remove(v)
-                self.kv.free(v)
+                self._loads.leave(v)
             else:
                 prefill = prefill or v.phase == PREFILL
-                self._unschedule(v, s)
+                self._sched.unschedule(v, s)
             v.phase = DONE
             v.rec.output_tokens = v.outputs
         self._aborts = []
@@ -238,29 +206,29 @@ class Engine:
     def _start_step(self) -> None:
         s = self._step
         self._arrivals.clear()  # (the engine core took them in: the scheduler sees them now)
-        if self._holding:
-            self._loads_ended()
+        holding = self._loads.holding
+        if holding:
+            self._loads.ended()
         if self._aborts:
             self._leave(s)
-        self._preempted = False
-        wakes = self._wake_start.pop(s, None)
-        if wakes:
-            for r, epoch in wakes:
-                if r.epoch == epoch and r.phase == DECODE:
-                    self._decode_wake(r, s)
-        bounds = self._bounds
-        while bounds and bounds[0] < s:
-            heapq.heappop(bounds)
-        if self._prefilling or self.waiting or self._holding:
-            dt = self._schedule_prefills(s)
-            if dt is None:
+        sched = self._sched
+        sched.preempted = False
+        dec = self._decodes
+        dec.start(s, self._grow)
+        if sched.prefilling or self.waiting or holding:
+            chunks, starts, tokens, pairs = sched.schedule(s, self.kernel.now())
+            if not chunks and not dec.n:
+                self._empty_step()
                 return
-        elif self._n_dec:
+            self._chunks = chunks
+            dt = self.latency.step_seconds(starts, tokens, pairs, dec.n, dec.ctx)
+        elif dec.n:
             self._chunks = []
+            bounds = dec.bounds
             if bounds and self._spans and bounds[0] > s and (self.sink is None or not self.sink.events):
                 self._start_span(s, bounds[0])
                 return
-            dt = self.latency.step_seconds(0, 0, 0.0, self._n_dec, self._ctx)
+            dt = self.latency.step_seconds(0, 0, 0.0, dec.n, dec.ctx)
         else:
             self._busy = False
             self._take_stats()  # (vLLM steps once more to send out what left: an empty step's stats)
@@ -268,15 +236,29 @@ class Engine:
         self.steps += 1
         self.kernel.schedule(dt, self._end_step)
 
+    def _empty_step(self) -> None:
+        """Nothing to run (vLLM still makes its stats)."""
+        if self.sink is not None and self.sink.events:  # (a load's allocation evicted blocks)
+            self.sink.flush(self.kernel.now())
+        self._take_stats()
+        holding = self._loads.holding
+        if self.waiting and (self._sched.preempted or not holding):
+            self.kernel.schedule(0.0, self._start_step)  # everything running was preempted: admit afresh
+        elif holding:
+            self._loads.await_first()
+        else:
+            self._busy = False
+
     def _start_span(self, s: int, last: int) -> None:
         """Steps s..last, decode only, as one kernel event (see the module docstring)."""
-        n = self._n_dec
-        ends = self.latency.decode_step_ends(self.kernel.now(), last - s + 1, n, self._ctx)
+        dec = self._decodes
+        n = dec.n
+        ends = self.latency.decode_step_ends(self.kernel.now(), last - s + 1, n, dec.ctx)
         self.steps += last - s + 1
-        self._span = (s, ends, self._ctx, self.kernel.at(ends[-1], self._end_step))
+        self._span = (s, ends, dec.ctx, self.kernel.at(ends[-1], self._end_step))
         self._span_stats = last > s  # (the last step's end is a kernel event: `_end_step` takes its stats)
         self._step = last
-        self._ctx += n * (last - s)  # at the start of the last step (its end adds n)
+        dec.ctx += n * (last - s)  # at the start of the last step (its end adds n)
 
     def _cut_span(self) -> None:
         """Something changed mid-span: end the span with the step in progress now (the first one not
@@ -290,7 +272,7 @@ class Engine:
         self.kernel.cancel(handle)
         self.steps -= left
         self._step = s + i
-        self._ctx = ctx0 + self._n_dec * i
+        self._decodes.ctx = ctx0 + self._decodes.n * i
         self._span = (s, ends[: i + 1], ctx0, self.kernel.at(ends[i], self._end_step))
 
     def steps_ended(self) -> int:
@@ -298,208 +280,7 @@ class Engine:
         if self._span is not None:
             ends = self._span[1]
             return self.steps - len(ends) + min(bisect_right(ends, self.kernel.now()), len(ends) - 1)
-        return self.steps - (1 if self._busy and self._wait is None else 0)
-
-    def _schedule_prefills(self, s: int) -> float | None:
-        """Steps 2 and 3 of the module docstring; the step's time, or None when the step is empty."""
-        budget = self.config.max_num_batched_tokens - self._n_dec
-        chunks: list[tuple[ReqState, int]] = []
-        tokens = 0
-        pairs = 0.0
-        for r in tuple(self._prefilling):
-            if budget <= 0:
-                break
-            if r.phase != PREFILL:
-                continue  # preempted in this step
-            chunk = min(r.target - r.computed, budget)
-            upto = r.computed + chunk
-            if not self._grow(r, upto, s):
-                continue
-            self.kv.cache_full(r, upto)
-            chunks.append((r, chunk))
-            budget -= chunk
-            tokens += chunk
-            pairs += chunk * (r.computed + chunk / 2.0)
-        starts = 0
-        if not self._preempted:
-            waiting, running = self.waiting, self.running
-            max_seqs = self.config.max_num_seqs
-            now = self.kernel.now()
-            more = True
-            if self._holding:  # vLLM schedules the waiting requests that hold blocks first
-                kv = self.kv
-                for r in tuple(self._holding):
-                    if budget <= 0 or len(running) >= max_seqs:
-                        more = False
-                        break
-                    if r.phase == LOADING:
-                        continue  # skipped for this step
-                    kv.cache_full(r, r.computed)  # its loaded blocks are cached (one BlockStored)
-                    if kv.remaining(r) > self.pool.num_free:  # the whole-sequence gate
-                        more = False
-                        break
-                    self._holding.remove(r)
-                    self._run(r, now)
-                    chunk = r.target - r.computed if r.target - r.computed < budget else budget
-                    kv.grow(r, r.computed + chunk)  # (it fits: the gate)
-                    chunks.append((r, chunk))
-                    budget -= chunk
-                    tokens += chunk
-                    pairs += chunk * (r.computed + chunk / 2.0)
-                    starts += 1
-                    kv.cache_full(r, r.computed + chunk)
-            while more and waiting and budget > 0 and len(running) < max_seqs:
-                r = waiting[0]
-                loaded = self._admit(r, budget, now)
-                if loaded < 0:
-                    break
-                if loaded:
-                    continue  # it waits for its CPU-tier load, holding its blocks
-                chunk = r.target - r.computed if r.target - r.computed < budget else budget
-                chunks.append((r, chunk))
-                budget -= chunk
-                tokens += chunk
-                pairs += chunk * (r.computed + chunk / 2.0)
-                starts += 1
-                self.kv.cache_full(r, r.computed + chunk)
-        if not chunks and not self._n_dec:  # an empty step (vLLM still makes its stats)
-            if self.sink is not None and self.sink.events:  # (a load's allocation evicted blocks)
-                self.sink.flush(self.kernel.now())
-            self._take_stats()
-            if self.waiting and (self._preempted or not self._holding):
-                self.kernel.schedule(0.0, self._start_step)  # everything running was preempted: admit afresh
-            elif self._holding:
-                self._await_load()
-            else:
-                self._busy = False
-            return None
-        self._chunks = chunks
-        return self.latency.step_seconds(starts, tokens, pairs, self._n_dec, self._ctx)
-
-    def _admit(self, r: ReqState, budget: int, now: float) -> int:
-        """Waiting request `r` (the queue's head): -1 if its blocks do not fit; else it leaves the queue, its
-        prefix-cache lookup is counted, and it is either scheduled (0: r.computed is its hit, its first
-        chunk's blocks are taken) or, when the CPU tier continues its hit, left waiting for that load (the
-        tokens loaded: the blocks of hit and load are taken, nothing is scheduled; `_holding`)."""
-        got = self.kv.admit(r, budget, self._reserved_blocks)
-        if got is None:
-            return -1
-        nh, nc, _ = got
-        self.waiting.popleft()
-        rec = r.rec
-        bs = self.block_size
-        if rec.scheduled_s is None:  # not a preempted request's return
-            rec.cached_tokens = nh * bs
-            rec.cpu_loaded_tokens = nc * bs
-            self.prefix_cache_queries += r.target
-            self.prefix_cache_hits += nh * bs
-        if nc:
-            r.phase = LOADING
-            r.ready_s = now + self.latency.reload_seconds(nc * bs)
-            self._holding.append(r)
-            return nc * bs
-        self._run(r, now)
-        return 0
-
-    def _run(self, r: ReqState, now: float) -> None:
-        """r is scheduled (admitted to the running set): its prefill starts."""
-        r.phase = PREFILL
-        r.order = self._order
-        self._order += 1
-        self.running[r.order] = r
-        self._prefilling.append(r)
-        if r.rec.scheduled_s is None:
-            r.rec.scheduled_s = now
-
-    # -- CPU-tier loads (vLLM's offloading connector: `load_kv_async`, WAITING_FOR_REMOTE_KVS) -------
-    def _reserved_blocks(self) -> int:
-        """vLLM's `_inflight_prefill_reserved_blocks`: the blocks that the running requests still in their
-        prefill and the loading ones still need for their whole sequences (a load must leave them free)."""
-        remaining = self.kv.remaining
-        return sum(remaining(r) for r in self._prefilling) + sum(remaining(r) for r in self._holding)
-
-    def _loads_ended(self) -> None:
-        """At a step's start: the loads that have ended are reported finished (vLLM's worker reports them at
-        the end of the step in progress, `finished_recving`; an engine with nothing else to run steps idly
-        until then), so those requests can be scheduled."""
-        now = self.kernel.now()
-        for r in self._holding:
-            if r.phase == LOADING and r.ready_s <= now:
-                r.phase = LOADED
-
-    def _await_load(self) -> None:
-        """Nothing to run but loads: the next step starts when the first one ends (or a request arrives or
-        leaves: `_wake_up`)."""
-        ends = [r.ready_s for r in self._holding if r.phase == LOADING]
-        if not ends:  # (the gate that starts a load keeps the blocks of the loads before it free)
-            raise AssertionError("requests holding loaded blocks cannot be scheduled on an idle engine")
-        self._wait = self.kernel.at(max(min(ends), self.kernel.now()), self._load_waited)
-
-    def _load_waited(self) -> None:
-        self._wait = None
-        self._start_step()
-
-    def _wake_up(self) -> None:
-        """A request arrived or left while the engine waits for a load: it steps now."""
-        assert self._wait is not None
-        self.kernel.cancel(self._wait)
-        self._wait = None
-        self.kernel.schedule(0.0, self._start_step)
-
-    def _grow(self, r: ReqState, upto: int, s: int) -> bool:
-        """Blocks for r's first `upto` tokens, preempting the newest running requests if needed; False
-        when r itself was preempted."""
-        kv = self.kv
-        while not kv.grow(r, upto):
-            victim = self.running[next(reversed(self.running))]
-            self._preempt(victim, s)
-            if victim is r:
-                return False
-        return True
-
-    def _unschedule(self, v: ReqState, s: int) -> None:
-        """Running v stops before step s: out of the running set and the decode accounting (its pending
-        wakes void), its blocks freed (last first, kept in the prefix cache)."""
-        del self.running[v.order]
-        if v.phase == DECODE:
-            done = s - v.s0
-            v.computed = v.c0 + done
-            v.outputs = v.o0 + done
-            self._n_dec -= 1
-            self._ctx -= v.computed
-            v.epoch += 1
-        else:
-            self._prefilling.remove(v)
-        self.kv.free(v)
-
-    def _preempt(self, v: ReqState, s: int) -> None:
-        self._unschedule(v, s)
-        v.computed = 0
-        v.target = v.prompt_len + v.outputs
-        v.phase = WAITING
-        self.waiting.appendleft(v)
-        v.rec.preemptions += 1
-        self.preemptions += 1
-        self._preempted = True
-
-    def _decode_wake(self, r: ReqState, s: int) -> None:
-        c = r.c0 + s - r.s0  # the position r computes in step s
-        bs = self.block_size
-        if c % bs == 0 and not self._grow(r, c + 1, s):
-            return
-        if (c + 1) % bs == 0:
-            self.kv.cache_full(r, c + 1)
-        self._wake(r, s + 1)
-
-    def _wake(self, r: ReqState, s: int) -> None:
-        """Look at decoding r again in the first step from `s` where it starts or fills a block."""
-        bs = self.block_size
-        m = (r.c0 + s - r.s0) % bs
-        if m and m != bs - 1:
-            s += bs - 1 - m
-        if s <= r.s_fin:
-            self._wake_start.setdefault(s, []).append((r, r.epoch))
-            heapq.heappush(self._bounds, s - 1)
+        return self.steps - (1 if self._busy and self._loads.wait is None else 0)
 
     def _end_step(self) -> None:
         self._span = None
@@ -509,19 +290,13 @@ class Engine:
             self._leave(s)
         self._step = s + 1
         now = self.kernel.now()
-        self._ctx += self._n_dec
         done: list[tuple[RequestCallback | None, RequestRecord]] | None = None
-        ends = self._wake_end.pop(s, None)
-        if ends:
+        ended = self._decodes.end(s)
+        if ended is not None:
             done = []
-            for r, epoch in ends:
-                if r.epoch == epoch and r.phase == DECODE:
-                    r.computed = r.c0 + s - r.s0 + 1
-                    r.outputs = r.max_tokens
-                    self._n_dec -= 1
-                    self._ctx -= r.computed
-                    self._finish(r, now)
-                    done.append((self.on_finish, r.rec))
+            for r in ended:
+                self._finish(r, now)
+                done.append((self.on_finish, r.rec))
         if self._chunks:
             if done is None:
                 done = []
@@ -533,7 +308,7 @@ class Engine:
             for callback, rec in done:
                 if callback is not None:
                     callback(rec, now)
-        if not (self.waiting or self.running or self._holding):
+        if not (self.waiting or self.running or self._loads.holding):
             self._busy = False
         elif self.kernel.peek() > now:
             self._start_step()  # nothing else happens at `now`: the same as scheduling it
@@ -558,19 +333,10 @@ class Engine:
                 self._finish(r, now)
                 done.append((self.on_finish, r.rec))
                 continue
-            r.phase = DECODE
-            r.s0 = s + 1
-            r.c0 = r.computed
-            r.o0 = r.outputs
-            r.s_fin = r.s0 + r.max_tokens - r.outputs - 1
-            self._n_dec += 1
-            self._ctx += r.computed
-            self._wake_end.setdefault(r.s_fin, []).append((r, r.epoch))
-            heapq.heappush(self._bounds, r.s_fin)
-            self._wake(r, r.s0)
+            self._decodes.begin(r, s + 1)
         self._chunks = []
         if prefilled:
-            self._prefilling = [r for r in self._prefilling if r.phase == PREFILL]
+            self._sched.prefilled()
 
     def _finish(self, r: ReqState, now: float) -> None:
         r.phase = DONE
@@ -584,15 +350,16 @@ class Engine:
     def _take_stats(self) -> None:
         """vLLM's `make_stats` at the end of a step: what `metrics()` shows until the next one."""
         waiting = self.waiting
-        holding = self._holding  # (loading requests wait: vLLM counts WAITING_FOR_REMOTE_KVS as waiting)
+        holding = self._loads.holding  # (loading: vLLM counts WAITING_FOR_REMOTE_KVS as waiting)
+        sched = self._sched
         self.stats.take(
             chain(holding, waiting) if holding else waiting,
             len(holding) + len(waiting) - len(self._arrivals),
             self.running.values(),
             len(self.running),
             self.pool.num_used,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
+            sched.prefix_cache_queries,
+            sched.prefix_cache_hits,
             self._loras,
         )
 

@@ -1,7 +1,8 @@
 """The engine's KV cache manager (vLLM's `KVCacheManager`): request block tables over the block pool,
 the CPU tier and the KV events. Pure.
 
-The scheduler (`engine.py`) decides who runs; this module takes and releases blocks for it:
+The scheduler (`scheduler.py`, driven by `engine.py`) decides who runs; this module takes and releases
+blocks for it:
 
 - `new_request` hashes a request's blocks once (prompt and the generated tokens it will feed back,
   `hashing.py`, chained from a root per LoRA adapter and cache salt);
@@ -48,7 +49,7 @@ LOADING, LOADED = 4, 5  # its CPU-tier hit being loaded; the load reported finis
 
 class ReqState:
     """One request inside an engine: its tokens and block table (this module) and its scheduling
-    state (`engine.py`: phase, admission order, and where its decoding started)."""
+    state (`scheduler.py`, `decode_batch.py`: phase, admission order, and where its decoding started)."""
 
     __slots__ = (
         "_hashes",

@@ -2,7 +2,7 @@
 
 A block evicted from the GPU is kept here (a victim cache); a later request whose GPU prefix
 hit stops at block k can load blocks k, k+1, ... from here instead of recomputing them, if
-they are present (it waits for the load, the other requests do not: `engine.py`). Loading a
+they are present (it waits for the load, the other requests do not: `cpu_loads.py`). Loading a
 block or storing it again refreshes it; when full, the least recently used block is evicted.
 The engine reports what this tier stores and evicts as `BlockStored` / `BlockRemoved` events
 with medium "CPU", as vLLM's CPU offloading connector does.
