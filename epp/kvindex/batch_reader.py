@@ -4,9 +4,20 @@ The compiled scan (`event_scan.py`) reads vLLM's batches of at least `SCAN_FROM`
 runs of consecutive events; every other shape, and every error, goes to msgspec's `decode_batch`
 (`events.py`), whose events become one run each (`runs_of`). `salt_of` tells a chain's tenant salt
 from a LoRA adapter's name in vLLM's `extra_keys`.
+
+Blocks whose `extra_keys` carry more than strings (vLLM's multimodal `(identifier, offset)` pairs, a
+prompt-embeds digest) hold content their token ids do not name: an image's tokens are the same
+placeholder ids whatever the image, prompt embeddings' ids are zeros. Their token ids are replaced by
+`opaque_tokens` (negative ids derived from those keys, which no prompt's ids can equal: the EPP keys
+token ids 0..2^31-1), so the index keeps them, and their descendants, under keys of their own: the
+same image gives the same keys on every pod, another image other keys, and no text or token-id prompt
+gets credit for them (the EPP does not key multimodal prompts).
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
 
 from epp.kvindex.event_scan import CLEARED, REMOVED, STORED, Run, ScannedBatch, scan_batch
 from epp.kvindex.events import BlockRemoved, BlockStored, EventBatch, decode_batch
@@ -32,9 +43,10 @@ def runs_of(batch: EventBatch) -> ScannedBatch:
             salted = ev.cache_salt or (extra and extra[0] is not None)
             salt = salt_of(extra, ev.cache_salt, ev.lora_name) if salted else None
             hashes = list(ev.block_hashes)
+            tokens = ev.token_ids if extra is None else opaque_tokens(ev.token_ids, extra, ev.block_size)
             runs.append(
                 (STORED, ev.tier, ev.lora_name, salt, hashes, [ev.parent_block_hash], [len(hashes)],
-                 ev.token_ids, [len(ev.token_ids)], [ev.block_size], None)
+                 tokens, [len(tokens)], [ev.block_size], None)
             )  # fmt: skip
         elif type(ev) is BlockRemoved:
             runs.append((REMOVED, ev.tier, list(ev.block_hashes), ev.group, 1))
@@ -65,3 +77,19 @@ def salt_of(
             parts = parts[1:]
         return "\x00".join(parts) if parts else None
     return None
+
+
+def opaque_tokens(token_ids: Sequence[int], extra_keys: Sequence[object], block_size: int) -> Sequence[int]:
+    """`token_ids` with the ids of every block whose extra keys hold anything but strings (or None) replaced
+    by one negative id derived from those keys (see the module docstring); as given when there is none."""
+    out: list[int] | None = None
+    for j, keys in enumerate(extra_keys):
+        if not keys or not isinstance(keys, tuple | list) or all(isinstance(k, str) for k in keys):
+            continue
+        if out is None:
+            out = list(token_ids)
+        digest = hashlib.blake2b(repr(tuple(keys)).encode(), digest_size=8).digest()
+        opaque = -1 - (int.from_bytes(digest, "big") >> 2)
+        start = j * block_size
+        out[start : start + block_size] = [opaque] * len(out[start : start + block_size])
+    return token_ids if out is None else out

@@ -99,7 +99,7 @@ class EventBatch:
     ts: float
     events: tuple[Event, ...]
     data_parallel_rank: int | None
-    skipped: int  # events dropped because their KV group is not full attention
+    skipped: int  # events dropped: their KV group is not full attention, or an offloading placeholder
     partial_groups: tuple[int, ...] = ()  # the `group_idx` of those (sent ones), in order of appearance
 
 
@@ -138,7 +138,7 @@ class _StoredFields(msgspec.Struct, gc=False):
     block_hashes: tuple[_Hash, ...]
     parent_block_hash: _Hash | None
     token_ids: tuple[int, ...]
-    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    block_size: Annotated[int, msgspec.Meta(ge=0)]  # 0: a placeholder (see `_convert`)
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
@@ -272,6 +272,16 @@ def _convert(ts: float, wire: Sequence[_WireEvent], dp_rank: int | None, unsigne
                 skipped += 1
                 if ev.group_idx is not None:
                     partial[ev.group_idx] = None
+                continue
+            if ev.block_size == 0:
+                # vLLM's offloading connector stores a block it has no metadata for as a placeholder
+                # (`block_size` 0, no token ids, "so consumers can ignore them"): its content is unknown
+                if ev.token_ids:
+                    index = next(i for i, w in enumerate(wire) if w is ev)
+                    raise DecodeError(
+                        "field_type", f"event {index} (BlockStored): field block_size: 0 with token ids"
+                    )
+                skipped += 1
                 continue
             hashes = ev.block_hashes
             parent = ev.parent_block_hash
