@@ -47,6 +47,11 @@ class ChatTemplateError(ValueError):
     """The template does not compile, raised while rendering, or the request cannot be rendered."""
 
 
+class NotTextContent(ChatTemplateError):
+    """A message part the EPP cannot tokenize (an image, audio, embeddings): vLLM expands it into tokens
+    and hashes only the engine knows."""
+
+
 # --- nesting ---
 
 
@@ -101,7 +106,7 @@ def _text_parts(content: Any, role: str) -> list[Any]:
         elif kind == "tool_reference":
             out.append({"type": "tool_reference", "name": part.get("name")})
         else:
-            raise ChatTemplateError(
+            raise NotTextContent(
                 f"content part of type {kind!r} in a {role} message: only text parts can be tokenized here"
             )
     return out

@@ -39,13 +39,14 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from epp.kvindex.chat_inputs import NotTextContent
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
 from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
 from epp.kvindex.stable_cuts import special_affixes, stable_chunker
 from epp.kvindex.tokenizer_files import TokenizerError, configure, read_config, read_json, template_sources
 from epp.types import ChatOptions, InferenceRequest
 
-__all__ = ["PromptTokenizer", "PromptTooLong", "TokenizerError", "TokenizerRegistry"]
+__all__ = ["MultimodalPrompt", "PromptTokenizer", "PromptTooLong", "TokenizerError", "TokenizerRegistry"]
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_CHUNK_CHARS = 1024
@@ -56,6 +57,10 @@ _DEFAULT_CHAT = ChatOptions()
 
 class PromptTooLong(TokenizerError):
     """The rendered prompt is longer than the caller's limit (`max_chars`): it was not encoded."""
+
+
+class MultimodalPrompt(TokenizerError):
+    """A message has a part that is not text (an image, audio...): the prompt's ids cannot be known here."""
 
 
 class PromptTokenizer:
@@ -237,6 +242,8 @@ class PromptTokenizer:
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
             )
+        except NotTextContent as e:
+            raise MultimodalPrompt(f"{self.name}: chat template: {e}") from e
         except ChatTemplateError as e:
             raise TokenizerError(f"{self.name}: chat template: {e}") from e
 

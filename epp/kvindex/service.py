@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from epp.kvindex.chat_inputs import NotTextContent
 from epp.kvindex.chat_template import ChatTemplateError
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
-from epp.kvindex.prompt import PromptTooLong, TokenizerError, TokenizerRegistry
+from epp.kvindex.prompt import MultimodalPrompt, PromptTooLong, TokenizerError, TokenizerRegistry
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.requests import CHARS_PER_TOKEN
 from epp.types import InferenceRequest, PromptTokens
@@ -23,6 +24,7 @@ from epp.types import InferenceRequest, PromptTokens
 _NO_TOKENIZER = PromptTokens(None, "no_tokenizer")
 _TOO_LONG = PromptTokens(None, "too_long")
 _TOKENIZER_ERROR = PromptTokens(None, "tokenizer_error")
+_MULTIMODAL = PromptTokens(None, "multimodal")
 _NO_PROMPT = PromptTokens(None)
 
 SERVICE_KEY = "kv_index"
@@ -38,7 +40,7 @@ class KvIndexService:
     tokenizers: TokenizerRegistry
     block_size: int
     # model -> requests that could not be keyed, by reason ("no_tokenizer", "too_long", "tokenizer_error",
-    # "tokenizer_busy", "stored_history")
+    # "multimodal", "tokenizer_busy", "stored_history")
     unkeyed: Counter[tuple[str, str]] = field(default_factory=Counter)
     # the plugins that read prompts' tokens (they register when built): without any, the server does
     # not tokenize ahead of scheduling
@@ -91,6 +93,8 @@ class KvIndexService:
             ids = tok.encode_request(request, max_chars=self.max_keyed_prompt_chars)
         except PromptTooLong:
             return _TOO_LONG
+        except (MultimodalPrompt, NotTextContent):
+            return _MULTIMODAL
         except (TokenizerError, ChatTemplateError, RecursionError):  # a template that cannot render these
             return _TOKENIZER_ERROR
         return _NO_PROMPT if ids is None else PromptTokens(ids)

@@ -5,6 +5,8 @@ no credit from them (vLLM's hashes differ, so its cache would miss)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
 from epp.kvindex.batch_reader import decode, opaque_tokens
@@ -12,6 +14,10 @@ from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
 from epp.kvindex.keys import block_keys, root_key
+from epp.kvindex.prompt import TokenizerRegistry
+from epp.kvindex.service import KvIndexService
+from epp.testing.tokenizer import build_tiny_tokenizer
+from epp.types import ApiKind, InferenceRequest, PromptTokens
 
 BS = 4
 PLACEHOLDER = 151_655  # an image token: the same ids whatever the image
@@ -67,3 +73,22 @@ def test_blocks_of_strings_only_keep_their_ids() -> None:
     assert opaque_tokens(ids, [["tenant"], None, None, None], BS) is ids  # a salt (the root carries it)
     digest = opaque_tokens(ids, [None, None, None, [b"\x00" * 32]], BS)  # prompt embeddings
     assert list(digest[:12]) == TOKENS[:12] and len(set(digest[12:])) == 1 and digest[12] < 0
+
+
+def test_a_chat_with_an_image_is_unkeyed_as_multimodal_not_as_a_tokenizer_error(tmp_path: Path) -> None:
+    """The EPP cannot know an image's tokens or hashes: such a chat is routed by load, and counted under a
+    reason of its own, so operators do not read it as a broken tokenizer."""
+    kv = KvIndexService(
+        BlockIndex(block_size=BS),
+        FreshnessTracker(),
+        TokenizerRegistry({"m": build_tiny_tokenizer(tmp_path)}),
+        BS,
+    )
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    chat = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+    request = InferenceRequest("r", ApiKind.CHAT_COMPLETIONS, "m", messages=chat, body_bytes=200)
+    assert kv.tokenize(request) == PromptTokens(None, "multimodal")
+    text_only = InferenceRequest(
+        "r", ApiKind.CHAT_COMPLETIONS, "m", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert kv.tokenize(text_only).unkeyed is None
