@@ -172,6 +172,17 @@ def _add_special_tokens(body: Mapping[str, Any]) -> bool | None:
 
 
 _STORED_HISTORY = PromptTokens(None, "stored_history")
+_PROMPT_EMBEDS = PromptTokens(None, "prompt_embeds")
+
+
+def _prompt_embeds(value: Any) -> PromptTokens:
+    """A completion given as `prompt_embeds` only (vLLM: base64 tensors, one or a list): accepted, as vLLM
+    accepts it, but its tokens are unknown here (vLLM hashes the embeddings): routed by load, unkeyed."""
+    if not (isinstance(value, str) and value) and not (
+        isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
+    ):
+        raise bad_request("'prompt_embeds' must be a non-empty base64 string or a list of them")
+    return _PROMPT_EMBEDS
 
 
 def _responses(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, ChatOptions, PromptTokens | None]:
@@ -221,6 +232,8 @@ def build_request(
         chat = _chat_options(body)
     elif "prompt" in body:
         prompt, tokens = _check_prompt(body["prompt"])
+    elif kind is ApiKind.COMPLETIONS and body.get("prompt_embeds") is not None:
+        known = _prompt_embeds(body["prompt_embeds"])
     elif kind is ApiKind.EMBEDDINGS and "input" in body:
         inp = body["input"]
         if isinstance(inp, list) and inp and all(isinstance(m, dict) for m in inp):
@@ -228,7 +241,7 @@ def build_request(
         else:
             prompt, tokens = _check_prompt(inp, "input")
     else:
-        raise bad_request("request needs 'prompt' or 'messages'")
+        raise bad_request("request needs 'prompt' or 'messages' (or 'prompt_embeds' for a completion)")
     # a Responses request has no such field (vLLM ignores one sent): its chat is encoded with special tokens
     add_special_tokens = True if kind is ApiKind.RESPONSES else _add_special_tokens(body)
     stream = body.get("stream", False)

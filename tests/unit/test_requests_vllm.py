@@ -330,3 +330,19 @@ def test_an_empty_tools_list_reaches_the_template_as_vllm_gives_it(service: KvIn
     chat = {"model": "n", "messages": [{"role": "user", "content": "x"}]}
     assert ids(service, CHAT, chat | {"tools": []}) == [56, 20]  # "T0"
     assert ids(service, CHAT, chat) == [40, 21]  # "D1"
+
+
+def test_a_completion_given_as_prompt_embeds_is_accepted_and_unkeyed(service: KvIndexService) -> None:
+    """vLLM accepts a completion whose prompt is `prompt_embeds` (base64 tensors) only; the EPP cannot know
+    its tokens (vLLM hashes the embeddings), so it is routed by load, counted as unkeyed, not refused."""
+    for embeds in ("AAAAAAAAAAA=", ["AAAA", "BBBB"]):
+        r = build_request(COMPL, {"model": "m", "prompt_embeds": embeds, "max_tokens": 3}, {})
+        before = service.unkeyed[("m", "prompt_embeds")]
+        assert r.prompt is None and r.messages is None and r.max_tokens == 3
+        assert service.prompt_tokens(r) is None
+        assert service.unkeyed[("m", "prompt_embeds")] == before + 1
+    for bad in ("", [], [1], ["ok", ""], {"x": 1}):
+        with pytest.raises(RequestError, match="'prompt_embeds' must be a non-empty base64 string"):
+            build_request(COMPL, {"model": "m", "prompt_embeds": bad}, {})
+    with pytest.raises(RequestError, match="needs 'prompt' or 'messages'"):  # nothing to run at all
+        build_request(COMPL, {"model": "m", "prompt_embeds": None}, {})
