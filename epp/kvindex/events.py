@@ -277,10 +277,7 @@ def _convert(ts: float, wire: Sequence[_WireEvent], dp_rank: int | None, unsigne
                 # vLLM's offloading connector stores a block it has no metadata for as a placeholder
                 # (`block_size` 0, no token ids, "so consumers can ignore them"): its content is unknown
                 if ev.token_ids:
-                    index = next(i for i, w in enumerate(wire) if w is ev)
-                    raise DecodeError(
-                        "field_type", f"event {index} (BlockStored): field block_size: 0 with token ids"
-                    )
+                    raise _field_error(wire, ev, "block_size", "field_type", "0 with token ids")
                 skipped += 1
                 continue
             hashes = ev.block_hashes
@@ -332,9 +329,14 @@ def _hashes(values: tuple[_Hash, ...], wire: Sequence[object], event: object, fi
     try:
         return tuple(map(engine_hash, values))
     except DecodeError as e:
-        index = next(i for i, ev in enumerate(wire) if ev is event)
-        tag = type(event).__struct_config__.tag  # type: ignore[attr-defined]
-        raise DecodeError(e.reason, f"event {index} ({tag}): field {field}: {e}") from None
+        raise _field_error(wire, event, field, e.reason, str(e)) from None
+
+
+def _field_error(wire: Sequence[object], event: object, field: str, reason: str, detail: str) -> DecodeError:
+    """A DecodeError naming the event (its position in the batch and its type) and the field."""
+    index = next(i for i, ev in enumerate(wire) if ev is event)
+    tag = type(event).__struct_config__.tag  # type: ignore[attr-defined]
+    return DecodeError(reason, f"event {index} ({tag}): field {field}: {detail}")
 
 
 def _freeze(value: Any) -> Any:
