@@ -24,6 +24,9 @@ _SLOTS: Final = np.arange(BUCKET)
 _MAX_KICKS: Final = 256
 RELOCATE_ROUNDS: Final = 8  # vectorised cuckoo steps before the walk, one item at a time
 _REHASH_ITEMS: Final = 1 << 20
+_SPLIT_ITEMS: Final = 1 << 15
+"""Old slots a split takes at a time: its index temporaries (~256 KB each) come back from malloc's heap
+each time, where larger ones would be fresh mappings, paid again in page faults at every doubling."""
 
 
 def relocate(
@@ -122,7 +125,7 @@ def split(table: HashTable) -> None:
         table.nb,
     )
     table._alloc(2 * old_nb)
-    step = max(1, _REHASH_ITEMS // BUCKET)  # old buckets at a time: bounded temporaries
+    step = max(1, _SPLIT_ITEMS // BUCKET)  # old buckets at a time
     room = min(step, old_nb) * BUCKET
     src = np.empty(room, dtype=np.intp)
     dest = np.empty(room, dtype=np.intp)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from epp.kvindex import store_queue
 from epp.kvindex.index import BlockIndex, StoreArgs, StoreOutcome
 from epp.kvindex.keys import advance, block_keys, key_of, root_key, state_of
-from epp.kvindex.table import HashTable
+from epp.kvindex.table import HashTable, filled
 
 BS = 16
 ROOT = root_key("model")
@@ -1321,6 +1322,27 @@ def test_hash_table_at_high_load_uses_cuckoo_moves() -> None:
         table.upsert(keys[i : i + 50], tags[i : i + 50], {})
     assert table.size == len(keys)
     assert (table.find(keys, tags) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    ("n", "dtype", "value"), [(1 << 17, np.uint64, 0), (3 << 20, np.uint16, 0xFFFF), (1000, np.uint32, 5)]
+)
+def test_large_arrays_start_on_a_huge_page_boundary(n: int, dtype: type[np.generic], value: int) -> None:
+    """From 1 MB on, a table's array is its own private mapping, 2 MB-aligned and holding its last 2 MB
+    page whole, so that transparent huge pages can back it (a 4 KB-aligned one never got them)."""
+    arr = filled(n, dtype, value)
+    assert arr.shape == (n,) and arr.dtype == np.dtype(dtype) and (arr == value).all()
+    arr[-1] = 1
+    assert filled(n, dtype, value)[-1] == value  # arrays do not share memory
+    size = n * np.dtype(dtype).itemsize
+    if size < 1 << 20:
+        return
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert arr.ctypes.data % (1 << 21) == 0
+        end = arr.ctypes.data + size
+        mapping = np.frombuffer(arr.base, dtype=np.uint8)  # the whole mapping
+        assert mapping.ctypes.data + mapping.size >= -(-end // (1 << 21)) * (1 << 21)
+        assert mapping.size < size + (2 << 21)  # the padding: under one huge page each side
 
 
 def test_roomy_tables_double_and_keep_every_item() -> None:
