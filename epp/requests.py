@@ -2,6 +2,12 @@
 
 Errors are `RequestError`s carrying the HTTP status the gateway should answer with. A `/v1/responses` body
 becomes the chat vLLM renders from it (`responses_api.py`).
+
+A chat that brings its own chat template (`chat_template`, or `chat_template_kwargs.chat_template`, not
+null) is routed unkeyed ("request_chat_template"), not refused: vLLM answers it with a 400 unless it runs
+with `--trust-request-chat-template`, and then renders with that template, which the EPP does not; which
+of the two the engine does is its flag's, so the engine answers. A `chat_template` that is not a string
+is a 400, as vLLM's request model has it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from epp.kvindex.chat_inputs import request_template
 from epp.responses_api import InvalidResponsesBody, responses_chat, template_kwargs
 from epp.types import ApiKind, ChatOptions, InferenceRequest, PromptTokens
 
@@ -173,6 +180,17 @@ def _add_special_tokens(body: Mapping[str, Any]) -> bool | None:
 
 _STORED_HISTORY = PromptTokens(None, "stored_history")
 _PROMPT_EMBEDS = PromptTokens(None, "prompt_embeds")
+_OWN_TEMPLATE = PromptTokens(None, "request_chat_template")
+
+
+def _own_template(body: Mapping[str, Any], kind: ApiKind) -> bool:
+    """Whether a chat brings its own chat template (vLLM's `validate_chat_template`: the request's
+    `chat_template`, a field the Responses API does not have, or its kwargs' `chat_template`, not null)."""
+    template = None if kind is ApiKind.RESPONSES else body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise bad_request("'chat_template' must be a string")
+    kwargs = body.get("chat_template_kwargs")
+    return template is not None or (isinstance(kwargs, dict) and request_template(kwargs))
 
 
 def _prompt_embeds(value: Any) -> PromptTokens:
@@ -242,6 +260,8 @@ def build_request(
             prompt, tokens = _check_prompt(inp, "input")
     else:
         raise bad_request("request needs 'prompt' or 'messages' (or 'prompt_embeds' for a completion)")
+    if messages is not None and _own_template(body, kind) and known is None:
+        known = _OWN_TEMPLATE
     # a Responses request has no such field (vLLM ignores one sent): its chat is encoded with special tokens
     add_special_tokens = True if kind is ApiKind.RESPONSES else _add_special_tokens(body)
     stream = body.get("stream", False)

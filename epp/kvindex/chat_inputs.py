@@ -6,16 +6,28 @@ Pure: no I/O. Follows vLLM's chat path (`ChatCompletionRequest` validation, `par
 - Messages: a message's `reasoning_content` is renamed `reasoning` (an existing `reasoning` wins), and an
   assistant message with reasoning carries both `reasoning` and `reasoning_content`. Text parts are joined
   with "\\n" for "string" templates, falsy parts (empty text) dropped; they become
-  `{"type": "text", "text": ...}` parts for "openai" ones; `tool` messages with text-only parts get a
-  joined string; only role, content, name, tool_calls (assistant), tool_call_id (tool), reasoning and task
-  are kept. Tool calls must be `function` objects; their `arguments` become an object (a JSON string is
-  parsed; invalid JSON, or JSON that is not an object, gives `{}`). `developer` messages become `system`
+  `{"type": "text", "text": ...}` parts for "openai" ones, followed by the part's own keys that no vLLM
+  content-part type declares (`cache_control`, as Anthropic-style clients send: `_collect_extra_fields`;
+  a plain string part or string content has none, a tool reference keeps only its name); `tool` messages
+  with text-only parts get a joined string; only role, content, name, tool_calls (assistant), tool_call_id
+  (tool), reasoning and task are kept. A system message's text (a string, or a `text` part) that starts
+  with Claude Code's `x-anthropic-billing-header` line loses that line (the part goes if nothing follows).
+  Tool calls must be `function` objects; their `arguments` become an object (a JSON string is parsed;
+  invalid JSON, or JSON that is not an object, gives `{}`). `developer` messages become `system`
   (all system messages merged into the first) when the template does not know the role.
 - Tools: `[tool.model_dump() for tool in request.tools]` of vLLM's `ChatCompletionToolsParam`: `type` is
   "function" (any other type is refused), `function` keeps `name`, `description` and `parameters` (null
   when absent) in that order, then `strict` and `defer_loading` when set; a tool's own `defer_loading` is
   copied to its function's when that is unset; every other key is dropped.
 - Documents: objects of strings (vLLM's `list[dict[str, str]]`).
+- `chat_template_kwargs` (`template_inputs`), as vLLM merges them (`merge_kwargs`: a value None or "auto" is
+  dropped, but for a Responses request's) and transformers' `apply_chat_template` takes them: their `tools`
+  win over the request's (given to the template as they are, each an object), the request's `documents` win
+  over theirs; keys that are `apply_chat_template` parameters (`tokenize`, `chat_template`, `padding`, ...)
+  never reach the template; the few that make vLLM fail (`return_assistant_tokens_mask`, `conversation`,
+  `messages` when the template reads it, ...) raise. A true `tokenize` has transformers encode the text
+  without special tokens (`template_tokenizes`); a `chat_template` is a template of the request's own
+  (`request_template`).
 - Nesting: no value the template receives (a message after parsing its tool calls' arguments, a tool, a
   chat_template_kwargs value the template reads) may nest objects and arrays more than `MAX_JSON_DEPTH`
   levels: `tojson(indent=...)` output grows with the square of the depth, and Python's JSON and Jinja
@@ -27,7 +39,8 @@ Pure: no I/O. Follows vLLM's chat path (`ChatCompletionRequest` validation, `par
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 MAX_JSON_DEPTH = 32
@@ -39,6 +52,17 @@ so 32 leaves room for schemas nested ten objects deep. It turns the quadratic gr
 
 _TEXT_PART_TYPES = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 _SKIPPED_WHEN_NONE = {"text", "refusal"}  # vLLM's PART_TYPES_TO_SKIP_NONE_CONTENT
+# vLLM's `_KNOWN_CONTENT_PART_FIELDS`: the keys of every content-part type it accepts (with openai-python
+# 3.x, which added `prompt_cache_breakpoint`; a vLLM installed beside an openai 2.x keeps that one too).
+# A text part's other keys reach an "openai" template after "type" and "text".
+_KNOWN_PART_FIELDS = frozenset(
+    {
+        "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url",
+        "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid",
+        "video_embeds", "video_url",
+    }
+)  # fmt: skip
+_BILLING_HEADER = "x-anthropic-billing-header"  # vLLM's _CLAUDE_CODE_BILLING_HEADER
 _TRUE = {"1", "on", "t", "true", "y", "yes"}  # pydantic's lax booleans
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
@@ -86,7 +110,26 @@ def check_depth(value: Any, field: str) -> None:
 # --- messages (vLLM's parse_chat_messages, text only) ---
 
 
+def _without_billing_header(content: Any) -> Any:
+    """A system message's content as vLLM's `_strip_claude_code_billing_header` leaves it: Claude Code's
+    attribution line (its `cch` value changes on every request) is cut from the text parts it starts."""
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        return content
+    out: list[Any] = []
+    for part in content:
+        text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else part
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+        elif rest := text.partition("\n")[2]:
+            out.append({**part, "text": rest} if isinstance(part, Mapping) else rest)
+    return out
+
+
 def _text_parts(content: Any, role: str) -> list[Any]:
+    """The parts vLLM parses out of a message's content: strings (plain string parts), text parts as
+    `{"type": "text", "text": ..., **extra keys}`, tool references as `{"type": "tool_reference", "name"}`."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -102,7 +145,8 @@ def _text_parts(content: Any, role: str) -> list[Any]:
         if kind in _TEXT_PART_TYPES or kind == "thinking":
             text = part.get(_TEXT_PART_TYPES.get(kind, "thinking"))
             if text is not None or kind not in _SKIPPED_WHEN_NONE:
-                out.append(text)
+                extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}
+                out.append({"type": "text", "text": text, **extra})
         elif kind == "tool_reference":
             out.append({"type": "tool_reference", "name": part.get("name")})
         else:
@@ -112,20 +156,26 @@ def _text_parts(content: Any, role: str) -> list[Any]:
     return out
 
 
+def _part_text(part: Any) -> Any:
+    """A parsed part as a "string" template's content has it (vLLM parses the parts to plain strings)."""
+    if isinstance(part, str):
+        return part
+    return part["name"] if part["type"] == "tool_reference" else part["text"]
+
+
 def normalise(message: Mapping[str, Any], content_format: str) -> dict[str, Any]:
     """One request message as the template gets it."""
     role = message.get("role")
     if not isinstance(role, str):
         raise ChatTemplateError("every message needs a string 'role'")
-    parts = _text_parts(message.get("content"), role)
-    content: Any
+    content: Any = message.get("content")
+    parts = _text_parts(_without_billing_header(content) if role == "system" else content, role)
     if content_format == "openai":
         content = [p if isinstance(p, Mapping) else {"type": "text", "text": p} for p in parts]
         if role == "tool" and all(p.get("type") == "text" for p in content):
             content = "\n".join(p["text"] for p in content)
     else:
-        texts = (p["name"] if isinstance(p, Mapping) else p for p in parts)
-        content = "\n".join(t for t in texts if t)
+        content = "\n".join(t for t in map(_part_text, parts) if t)
     out: dict[str, Any] = {"role": role, "content": content}
     if role == "assistant":
         calls = message.get("tool_calls")
@@ -258,3 +308,116 @@ def checked_documents(documents: Any) -> Any:
         ):
             raise ChatTemplateError(f"documents[{i}] must be an object of strings")
     return documents
+
+
+# --- chat_template_kwargs (vLLM's merge_kwargs and resolve_chat_template_kwargs, transformers' call) ---
+
+# `apply_chat_template`'s own parameters: a client's kwarg of that name is taken by the call (vLLM's
+# `safe_apply_chat_template`, then transformers), never a template variable; `tools` and `documents` reach
+# the template by their own rules (`template_inputs`), `add_generation_prompt` and `continue_final_message`
+# are the request's (vLLM sets them over the client's).
+_CALL_PARAMS = frozenset(
+    {
+        "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+        "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+# the call's encoding options and their defaults: with `tokenize`, any other value (a truncation, a padding,
+# an invalid one transformers refuses) is not reproduced here
+_ENCODE_DEFAULTS = {"padding": False, "truncation": False, "max_length": None, "return_tensors": None}
+# names the call already has (`safe_apply_chat_template(model_config, tokenizer, conversation, ...)`, the
+# bound method's `self`): vLLM fails with "got multiple values for argument"
+_CLASHING = ("conversation", "self", "model_config", "tokenizer")
+# given to the template by transformers itself: a kwarg of that name the template reads (so vLLM passes
+# it on) makes the render call fail the same way
+_CLASHING_IF_READ = ("messages", "conversations")
+
+
+def _is_set(value: Any) -> bool:
+    """vLLM's `merge_kwargs` drops a client's kwarg whose value is None or "auto" (its `unset_values`)."""
+    return value is not None and not (isinstance(value, str) and value == "auto")
+
+
+def request_template(kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether the client's kwargs carry a chat template of its own: vLLM refuses the request (400) unless
+    it runs with --trust-request-chat-template, and then renders with that template, not the model's."""
+    return kwargs is not None and kwargs.get("chat_template") is not None
+
+
+def template_tokenizes(kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether a client's (truthy) `tokenize` has transformers tokenize the rendered text in the call: its ids
+    are then `encode(text, add_special_tokens=False)`, whatever the request's `add_special_tokens`."""
+    value = (kwargs or {}).get("tokenize")
+    return _is_set(value) and bool(value)
+
+
+def uses_tools(tools: Any, kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether the template gets tools (transformers then picks a `tool_use` template when there is one)."""
+    return tools is not None or _is_set((kwargs or {}).get("tools"))
+
+
+def _encodes_otherwise(given: Mapping[str, Any]) -> bool:
+    """Whether the call's encoding options differ from their defaults (`tokenizer_kwargs`: None or {})."""
+    changed = any(k in given and given[k] is not default for k, default in _ENCODE_DEFAULTS.items())
+    return changed or given.get("tokenizer_kwargs") not in (None, {})
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateInputs:
+    """What the template gets beside messages and add_generation_prompt."""
+
+    tools: list[Any] | None
+    documents: Any
+    variables: dict[str, Any]  # the client's other kwargs (the reasoning ones included)
+
+
+def _each_object(value: Any, field: str, message: str) -> list[Any]:
+    """transformers' `for item in value: if not isinstance(item, dict): raise`: any iterable (a string's
+    characters, an object's keys) is walked; each item must be an object."""
+    try:
+        items = list(value)
+    except TypeError:
+        raise ChatTemplateError(f"{field}: {message} (got {type(value).__name__})") from None
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise ChatTemplateError(f"{field}[{i}]: {message}")
+    check_depth(items, field)
+    return items
+
+
+def template_inputs(
+    tools: Any,
+    documents: Any,
+    kwargs: Mapping[str, Any] | None,
+    read: Collection[str] = (),
+    *,
+    keep_unset: bool = False,
+) -> TemplateInputs:
+    """The request's tools and documents and the client's `chat_template_kwargs` as vLLM 0.32 hands them to
+    the template (`read`: the variables the template reads). The client's `tools` (unless None or "auto")
+    replace the request's, untouched: vLLM merges the request's tools in as a default the client's kwargs
+    override; the request's `documents`, when given, replace the client's (build_chat_params sets them over).
+    `keep_unset`: the client's None and "auto" values stay (a Responses request: vLLM merges its kwargs in
+    twice, first as defaults, which `merge_kwargs` does not filter); they yield to the request's tools.
+    ChatTemplateError where vLLM fails the request."""
+    tools_out = canonical_tools(tools)  # validated even when replaced: vLLM's request model refuses them
+    documents_out = checked_documents(documents)
+    given = {k: v for k, v in (kwargs or {}).items() if keep_unset or _is_set(v)}
+    if request_template(kwargs):
+        raise ChatTemplateError("chat_template_kwargs['chat_template']: a request's own chat template")
+    clashing = [k for k in given if k in _CLASHING or (k in _CLASHING_IF_READ and k in read)]
+    if clashing:
+        raise ChatTemplateError(f"chat_template_kwargs[{clashing[0]!r}]: vLLM fails on this name")
+    if given.get("return_assistant_tokens_mask"):
+        raise ChatTemplateError("chat_template_kwargs['return_assistant_tokens_mask']: vLLM refuses it")
+    if template_tokenizes(given) and _encodes_otherwise(given):
+        raise ChatTemplateError("chat_template_kwargs: 'tokenize' with encoding options: not reproduced")
+    client_tools = given.get("tools")
+    if _is_set(client_tools) or (client_tools is not None and tools_out is None):
+        tools_out = _each_object(client_tools, "chat_template_kwargs['tools']", "tools must be objects")
+    if documents_out is None and given.get("documents") is not None:
+        documents_out = given["documents"]
+        _each_object(documents_out, "chat_template_kwargs['documents']", "documents must be objects")
+    variables = {k: v for k, v in given.items() if k not in _CALL_PARAMS}
+    return TemplateInputs(tools_out, documents_out, variables)

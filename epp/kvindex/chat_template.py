@@ -12,7 +12,8 @@ Pure: no I/O, no clock (a template's `strftime_now` reads a wall clock only if o
   alias of `messages` and of its loop variable) or over a plain `content` variable, "string" otherwise and
   when a loop or assignment target vLLM expects to be a plain name is not one.
 - Messages, tools and documents become what vLLM gives the template (`chat_inputs.py`: reasoning fields,
-  text parts, tool-call arguments, tools as vLLM's request model dumps them, a nesting bound).
+  text parts and their extra keys, tool-call arguments, tools as vLLM's request model dumps them, the
+  client's `chat_template_kwargs` merged as vLLM merges them, a nesting bound).
 - `continue_final_message` follows transformers: the rendered text stops where the final message ends.
 """
 
@@ -32,11 +33,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from epp.kvindex.chat_inputs import (
     ChatTemplateError,
-    canonical_tools,
     check_depth,
-    checked_documents,
     developer_as_system,
     normalise,
+    template_inputs,
 )
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "detect_content_format"]
@@ -187,7 +187,10 @@ class ChatTemplate:
         documents: Any = None,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        keep_unset_kwargs: bool = False,
     ) -> str:
+        """`keep_unset_kwargs`: the client's kwargs whose value is None or "auto" reach the template (vLLM's
+        Responses path); a chat completion's are dropped."""
         if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
             raise ChatTemplateError("messages must be a list of message objects")
         if continue_final_message and add_generation_prompt:
@@ -200,17 +203,20 @@ class ChatTemplate:
                 chat = developer_as_system(chat)
         except (TypeError, AttributeError) as e:  # e.g. a text part whose text is not a string
             raise ChatTemplateError(f"malformed messages: {e}") from e
+        inputs = template_inputs(
+            tools, documents, template_kwargs, self._variables, keep_unset=keep_unset_kwargs
+        )
         final_text: str | None = None
         if continue_final_message:
             final_text = self._tag_final_message(chat)
-        kwargs = dict(template_kwargs or {})
+        kwargs = inputs.variables
         for key in self._variables.intersection(kwargs):  # vLLM passes only the variables the template reads
             check_depth(kwargs[key], f"chat_template_kwargs[{key!r}]")
         variables = {**self._special_tokens, **kwargs}
         variables.update(
             messages=chat,
-            tools=canonical_tools(tools),
-            documents=checked_documents(documents),
+            tools=inputs.tools,
+            documents=inputs.documents,
             add_generation_prompt=add_generation_prompt,
         )
         try:

@@ -9,7 +9,8 @@ What "as the engine would" means here (vLLM with a fast Hugging Face tokenizer; 
   with the request's `add_special_tokens` (default True).
 - Chat: the messages are rendered with the model's chat template (`chat_template.py`), then encoded with the
   request's `add_special_tokens` (default False: the template writes the bos token itself). A Responses
-  request is a chat encoded with True (`epp/responses_api.py`).
+  request is a chat encoded with True (`epp/responses_api.py`). A truthy `tokenize` in the client's
+  `chat_template_kwargs` has vLLM's transformers call encode the text itself, without special tokens.
 - Loading (`tokenizer_files.py`): `tokenizer.json`, then `tokenizer_config.json` (and, on transformers 4.57's
   legacy path, `special_tokens_map.json`) for the named special tokens (`bos_token`, ...: the template's
   variables; those missing from the vocabulary are added as special tokens), the tokenizer class's
@@ -39,12 +40,12 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from epp.kvindex.chat_inputs import NotTextContent
+from epp.kvindex.chat_inputs import NotTextContent, template_tokenizes, uses_tools
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
 from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
 from epp.kvindex.stable_cuts import special_affixes, stable_chunker
 from epp.kvindex.tokenizer_files import TokenizerError, configure, read_config, read_json, template_sources
-from epp.types import ChatOptions, InferenceRequest
+from epp.types import ApiKind, ChatOptions, InferenceRequest
 
 __all__ = ["MultimodalPrompt", "PromptTokenizer", "PromptTooLong", "TokenizerError", "TokenizerRegistry"]
 
@@ -227,11 +228,14 @@ class PromptTokenizer:
         documents: Any = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        keep_unset_kwargs: bool = False,
     ) -> str:
-        """The prompt text the engine builds from these messages with the model's chat template."""
+        """The prompt text the engine builds from these messages with the model's chat template
+        (`keep_unset_kwargs`: a Responses request's, see `ChatTemplate.render`)."""
         if not self._templates:
             raise TokenizerError(f"{self.name}: the tokenizer has no chat_template")
-        template = self._templates.get("tool_use") if tools is not None else None  # as transformers picks
+        # as transformers picks, by the tools the template gets (the client's chat_template_kwargs' win)
+        template = self._templates.get("tool_use") if uses_tools(tools, chat_template_kwargs) else None
         template = template or self._templates.get("default") or next(iter(self._templates.values()))
         try:
             return template.render(
@@ -241,6 +245,7 @@ class PromptTokenizer:
                 documents=documents,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
+                keep_unset_kwargs=keep_unset_kwargs,
             )
         except NotTextContent as e:
             raise MultimodalPrompt(f"{self.name}: chat template: {e}") from e
@@ -258,9 +263,11 @@ class PromptTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
         max_chars: int | None = None,
+        keep_unset_kwargs: bool = False,
     ) -> TokenIds:
         """Render with the chat template, then encode (by default without adding special tokens, as vLLM's
-        chat completions). A rendered text longer than `max_chars` raises PromptTooLong, not encoded."""
+        chat completions; never when the client's kwargs ask for `tokenize`: transformers then encodes the
+        text itself, without them). A rendered text longer than `max_chars` raises PromptTooLong."""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -268,12 +275,14 @@ class PromptTokenizer:
             documents=documents,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            keep_unset_kwargs=keep_unset_kwargs,
         )
         if max_chars is not None and len(text) > max_chars:
             raise PromptTooLong(
                 f"{self.name}: the rendered chat has {len(text)} characters (limit {max_chars})"
             )
-        return self.encode_text(text, add_special_tokens=add_special_tokens)
+        add = add_special_tokens and not template_tokenizes(chat_template_kwargs)
+        return self.encode_text(text, add_special_tokens=add)
 
     def encode_request(self, request: InferenceRequest, *, max_chars: int | None = None) -> TokenIds | None:
         """The prompt ids of a parsed request (chat messages with its chat options, else the completions
@@ -291,6 +300,7 @@ class PromptTokenizer:
                 chat_template_kwargs=c.chat_template_kwargs,
                 add_special_tokens=bool(add),
                 max_chars=max_chars,
+                keep_unset_kwargs=request.api_kind is ApiKind.RESPONSES,
             )
         if request.prompt is not None:
             return self.encode_prompt(request.prompt, add_special_tokens=add is not False)

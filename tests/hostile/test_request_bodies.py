@@ -231,6 +231,14 @@ FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[Any, ...], Callabl
         lambda v: v is None or isinstance(v, dict),
         "'chat_template_kwargs'",
     ),
+    # a chat that brings its own template is routed unkeyed; one that is not a string, a 400 (as vLLM's)
+    "chat_template": (
+        CHAT,
+        CHAT_BODY,
+        ("chat_template",),
+        lambda v: v is None or isinstance(v, str),
+        "'chat_template'",
+    ),
     "add_generation_prompt": (
         CHAT,
         CHAT_BODY,
@@ -427,7 +435,13 @@ def test_the_director_routes_or_rejects_any_body_with_a_4xx(
 # template, with arbitrary values inside the parts.
 text_parts = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "input_text", "thinking", "tool_reference"])},
-    optional={"text": json_scalars, "thinking": json_scalars, "name": json_scalars},
+    # keys no part type declares reach an "openai" template as they are (vLLM's `_collect_extra_fields`)
+    optional={
+        "text": json_scalars,
+        "thinking": json_scalars,
+        "name": json_scalars,
+        "cache_control": json_values,
+    },
 )
 valid_messages = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"])},
@@ -454,6 +468,42 @@ def test_any_valid_chat_is_routed_whatever_its_parts_hold(
     result = route(d, CHAT, dumps({"model": "m", "messages": chat}))
     assert isinstance(result, InferenceRequest), result
     # A chat the template cannot render is counted (unkeyed, tokenizer_error), and routed load-only.
+    unkeyed = sum(kv.unkeyed.values()) - before
+    assert unkeyed == (1 if kv.prompt_tokens(result) is None else 0)
+
+
+# Keys with a meaning to vLLM or transformers (the call's parameters, names it passes itself, a template of
+# the request's own) and others, with any JSON value.
+template_kwargs = st.dictionaries(
+    st.one_of(
+        st.sampled_from(
+            [
+                "tools", "documents", "chat_template", "tokenize", "padding", "truncation", "max_length",
+                "return_assistant_tokens_mask", "messages", "conversation", "self", "enable_thinking",
+                "add_generation_prompt", "bos_token",
+            ]
+        ),
+        st.text(max_size=8),
+    ),
+    json_values,
+    max_size=4,
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(template_kwargs, st.one_of(st.none(), st.lists(st.dictionaries(st.text(max_size=4), json_values))))
+def test_any_chat_template_kwargs_are_routed_keyed_or_counted(
+    directors: dict[str, Director], kwargs: dict[str, Any], documents: Any
+) -> None:
+    """Whatever the client's kwargs hold, the chat is routed: keyed, or counted as unkeyed (a template of its
+    own, kwargs vLLM fails on, a template that cannot render them)."""
+    d = directors["plain"]
+    kv = KV_OF[id(d)]
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body |= {"chat_template_kwargs": kwargs} | ({} if documents is None else {"documents": documents})
+    before = sum(kv.unkeyed.values())
+    result = route(d, CHAT, dumps(body))
+    assert isinstance(result, InferenceRequest), result
     unkeyed = sum(kv.unkeyed.values()) - before
     assert unkeyed == (1 if kv.prompt_tokens(result) is None else 0)
 
