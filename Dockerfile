@@ -5,14 +5,19 @@
 # Not built by `make test`; tests/unit/test_deploy.py checks this file against the manifests.
 FROM python:3.11-slim
 
-# NUMBA_CACHE_DIR: the compiled loops (docs/architecture.md) cache their machine code there. It
-# must be writable: numba (0.68) does not load a read-only cache directory, it fails the import
-# ("cannot cache function ...: no locator available"), so no cache is baked into the image. The
-# pods mount an emptyDir on /tmp (deploy/base): a new pod compiles once (~30-40 s of one core)
-# before it reports live, a restarted container loads the cache from its pod's emptyDir.
+# The compiled loops (docs/architecture.md) keep their machine code in NUMBA_CACHE_DIR, which must
+# be writable: numba (0.68) fails the import on a read-only cache directory ("cannot cache function
+# ...: no locator available"), so the pods mount an emptyDir on /tmp (deploy/base). The image compiles
+# every loop at build time (`epp warm-up`, below) into its own directory, for a CPU every x86-64 node
+# has (NUMBA_CPU_NAME; build with --build-arg NUMBA_CPU_NAME=generic for arm64), and `epp serve` copies
+# it into the cache (EPP_NUMBA_CACHE_SEED) before it loads them: a new pod is ready in about a second
+# instead of compiling for 30-40 s of one core (docs/deployment.md, "Startup").
+ARG NUMBA_CPU_NAME=x86-64-v2
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/tmp/numba-cache \
+    NUMBA_CPU_NAME=${NUMBA_CPU_NAME} \
+    EPP_NUMBA_CACHE_SEED=/opt/epp/numba-cache \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -21,6 +26,7 @@ COPY pyproject.toml README.md ./
 COPY epp ./epp
 COPY simulator ./simulator
 RUN pip install . && rm -rf /src
+RUN NUMBA_CACHE_DIR=/opt/epp/numba-cache epp warm-up && chmod -R a+rX /opt/epp/numba-cache
 
 # Non-root, matching the pod securityContext (runAsUser/runAsGroup 65532) in deploy/base.
 RUN groupadd --gid 65532 epp && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin epp

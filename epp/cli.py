@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from epp.clock import MonotonicClock
@@ -32,6 +33,7 @@ from epp.kvindex.index import BlockIndex
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
+from epp.server.numba_cache import cache_dir, seed_cache
 
 
 def _bool(text: str) -> bool:
@@ -208,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
         "that has them); their entries are still checked for shape",
     )
     sub.add_parser("plugins", help="list the plugin types this build knows")
+    sub.add_parser(
+        "warm-up",
+        help="compile the index's loops into numba's cache (NUMBA_CACHE_DIR) and exit: an image runs it at "
+        "build time, so that its pods load the code instead of compiling it (docs/deployment.md)",
+    )
     from epp.demo.runner import add_arguments as add_demo_arguments
 
     d = sub.add_parser("demo", help="simulated vLLM pods, the EPP and Envoy: default profile vs round-robin")
@@ -313,12 +320,31 @@ async def _serve(
         await server.stop(grace=args.shutdown_grace)
 
 
+def _warm_up() -> int:
+    from numba.core.dispatcher import Dispatcher
+
+    from epp.kvindex import compiled
+
+    t0 = time.perf_counter()
+    compiled.warm_up()
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("epp.") and m is not None]
+    loops = {v for m in modules for v in vars(m).values() if isinstance(v, Dispatcher)}
+    signatures = sum(len(d.signatures) for d in loops)
+    print(
+        f"epp warm-up: {len(loops)} compiled loops, {signatures} signatures, ready in {cache_dir()} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from epp.demo.runner import main as demo_main
 
         return demo_main(args)
+    if args.command == "warm-up":
+        return _warm_up()
     if args.command == "plugins":
         for spec in default_registry().types():
             print(f"{spec.type_name:32} {spec.kind:16} {spec.doc}")
@@ -343,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        seed_cache(os.environ)  # before the warm-up: the image's compiled code, when it carries some
         asyncio.run(_serve(args, cfg, discovery))
     except ConfigError as err:
         print(f"epp: config error: {err}", file=sys.stderr)

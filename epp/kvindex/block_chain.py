@@ -110,11 +110,12 @@ def warm_up() -> None:
     one = np.ones(1, dtype=np.intp)
     zero = np.zeros(1, dtype=np.intp)
     u64 = np.zeros(1, dtype=np.uint64)
-    chain_blocks(
-        one, one, one, zero, -one, u64, np.zeros(1, dtype=np.int64), 1, np.zeros(1, dtype=np.uint64),
-        np.zeros(1, dtype=np.intp), np.zeros(1, dtype=np.intp), np.zeros(1, dtype=np.intp),
-        np.zeros(2, dtype=np.uint64),
-    )  # fmt: skip
+    for tokens in (np.zeros(1, dtype=np.int64), np.frombuffer(bytes(8), dtype=np.int64)):  # (+ read-only)
+        chain_blocks(
+            one, one, one, zero, -one, u64, tokens, 1, np.zeros(1, dtype=np.uint64),
+            np.zeros(1, dtype=np.intp), np.zeros(1, dtype=np.intp), np.zeros(1, dtype=np.intp),
+            np.zeros(2, dtype=np.uint64),
+        )  # fmt: skip
     block_rows(
         one, one, one, 0, one, one, np.zeros(1, dtype=np.uint16), np.zeros(1, dtype=np.intp),
         np.zeros(1, dtype=np.uint32), np.zeros(1, dtype=np.uint32),

@@ -254,3 +254,10 @@ def warm_up() -> None:
         delete_run(
             tkeys, ttags, count, int(np.iinfo(tag_dtype).max), np.zeros(1, dtype=np.intp), buf, buf, buf
         )
+        find_scalar(tkeys, ttags, count, 2, 1, 1)
+        big = (
+            np.zeros(4 * BUCKET, dtype=np.uint64),
+            np.full(4 * BUCKET, ttags[0]),
+            np.zeros(4, dtype=np.uint8),
+        )
+        split_run(tkeys, ttags, count, 2, 0, 2, *big, buf, buf, buf)

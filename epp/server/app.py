@@ -17,13 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp.clock import MonotonicClock
 from epp.config import ConfigError, EppConfig, StaticEndpoint, build_scheduler
-from epp.costmodel import estimate
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watcher import PoolWatcher
-from epp.kvindex import block_chain, cuckoo, event_scan, ownership, prefix_walk, rolling
+from epp.kvindex import compiled
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
@@ -277,14 +276,7 @@ class EppServer:
                 "metrics scraping is disabled (--refresh-metrics-interval 0): the saturation detector "
                 "counts every endpoint as saturated, so sheddable requests get 429"
             )
-        prefix_walk.warm_up()  # compile (or load) the compiled loops before anything listens
-        estimate.warm_up()
-        cuckoo.warm_up()
-        block_chain.warm_up()
-        rolling.warm_up()
-        event_scan.warm_up()
-        for ntiers in (1, 2, 3):  # gpu, + cpu, + storage: a new number of tiers compiles its own code
-            ownership.warm_up(ntiers)
+        compiled.warm_up()  # compile (or load) the compiled loops before anything listens
         if self.discovery is not None:
             await self.discovery.start()  # bad credentials fail here, before anything listens
         creds = self._credentials()

@@ -217,6 +217,17 @@ def test_dockerfile_matches_the_cli_and_the_manifests() -> None:
     assert [src for src in copied if not (ROOT / src).exists()] == []
     uid = int(last["USER"].split(":")[0])
     cache_dir = re.search(r"NUMBA_CACHE_DIR=(\S+)", last["ENV"]).group(1)  # type: ignore[union-attr]
+    # The image carries the compiled code: built after the package is installed, into the directory
+    # `epp serve` seeds its cache from, for the CPU the pods compile for (else they would not find it).
+    seed = re.search(r"EPP_NUMBA_CACHE_SEED=(\S+)", last["ENV"]).group(1)  # type: ignore[union-attr]
+    assert re.search(r"NUMBA_CPU_NAME=\S+", last["ENV"])
+    runs = [ln for ln in lines if ln.startswith("RUN ")]
+    warm = [
+        i for i, ln in enumerate(runs) if re.search(rf"NUMBA_CACHE_DIR={re.escape(seed)} epp warm-up\b", ln)
+    ]
+    installed = [i for i, ln in enumerate(runs) if "pip install ." in ln]
+    assert warm and installed and installed[0] < warm[0], runs
+    assert lines.index(runs[warm[0]]) < lines.index(next(ln for ln in lines if ln.startswith("USER ")))
     for s in (stack(t) for t in STACKS):
         assert s.epp.pod["securityContext"]["runAsNonRoot"] is True
         assert s.epp.pod["securityContext"]["runAsUser"] == uid
@@ -231,6 +242,9 @@ def test_dockerfile_matches_the_cli_and_the_manifests() -> None:
             assert w.box["securityContext"]["readOnlyRootFilesystem"] is True
             mounts = [m["mountPath"] for m in w.box["volumeMounts"] if not m.get("readOnly")]
             assert any(cache_dir.startswith(m.rstrip("/") + "/") for m in mounts), (cache_dir, mounts)
+            # ...and the seed must not be under a mount, which would hide what the image put there
+            every = [m["mountPath"] for m in w.box["volumeMounts"]]
+            assert not any(seed.startswith(m.rstrip("/") + "/") for m in every), (seed, every)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", "tests", ".git"} <= set(ignored) and not {"epp", "simulator"} & set(ignored)
 
