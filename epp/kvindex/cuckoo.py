@@ -90,6 +90,30 @@ def place(  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def kick_place(tkeys: Any, ttags: Any, count: Any, nb: int, key: Any, tag: Any) -> tuple[Any, Any, Any]:
+    """Place an absent item whose two buckets are both full by moving one occupant of them to that
+    occupant's other bucket, the first (in bucket order) whose other bucket has room: one cuckoo step,
+    which is all an item needs at the loads the tables run at. Returns (the item's slot, the occupant's
+    old slot, its new slot: the caller moves its columns), or (-1, -1, -1), nothing changed, when no
+    occupant can move."""  # pragma: no cover - compiled
+    b1, b2 = _pair(key, tag, nb)
+    for b in (b1, b2):
+        for s in range(b * BUCKET, b * BUCKET + BUCKET):
+            o1, o2 = _pair(tkeys[s], ttags[s], nb)
+            alt = o2 if o1 == b else o1
+            c = np.int64(count[alt])
+            if c < BUCKET:
+                d = alt * BUCKET + c
+                tkeys[d] = tkeys[s]
+                ttags[d] = ttags[s]
+                count[alt] = c + 1
+                tkeys[s] = key
+                ttags[s] = tag
+                return s, s, d
+    return -1, -1, -1
+
+
+@numba.njit(cache=True, nogil=True)
 def find_scalar(tkeys: Any, ttags: Any, count: Any, nb: int, key: int, tag: int) -> Any:  # pragma: no cover
     """The slot of one (key, tag), or -1. `key` comes as a signed 64-bit int (the key's bits: Python ints
     of 2^63 and above do not pass as a numba int64), reinterpreted here as the unsigned key."""
@@ -255,6 +279,7 @@ def warm_up() -> None:
             tkeys, ttags, count, int(np.iinfo(tag_dtype).max), np.zeros(1, dtype=np.intp), buf, buf, buf
         )
         find_scalar(tkeys, ttags, count, 2, 1, 1)
+        kick_place(tkeys, ttags, count, 2, keys[0], tags[0])
         big = (
             np.zeros(4 * BUCKET, dtype=np.uint64),
             np.full(4 * BUCKET, ttags[0]),

@@ -36,6 +36,7 @@ _SLOTS: Final = np.arange(BUCKET)
 _MMAP_BYTES: Final = 1 << 20
 _HUGE_PAGE: Final = 1 << 21  # x86-64's transparent huge page (the kernel's hpage_pmd_size)
 _TWO64: Final = 1 << 64
+_KICK_ITEMS: Final = 16  # items set aside that `_settle` places one by one
 _I64MAX: Final = (1 << 63) - 1
 
 
@@ -247,8 +248,33 @@ class HashTable:
     ) -> bool:
         """Place absent `items` of an upsert (relocation, the cuckoo walk, growth: `_insert`); a later
         copy of one of them is not placed again. Returns whether other items moved (then `slots` are
-        stale)."""
-        slot_of, placed, moved = self._insert(items, keys, tags, values, dedupe=True)
+        stale). A few (what one small flush meets now and then) take one compiled cuckoo step each
+        (`cuckoo.kick_place`); `_insert`'s vectorised relocation costs ~40 numpy calls."""
+        moved = False
+        if len(items) <= _KICK_ITEMS:
+            rest = []
+            for i in items.tolist():
+                at = self.find_one(int(keys[i]), int(tags[i]))  # a copy of an item placed just before
+                if at < 0 and self.room() > 0:
+                    at, src, dest = cuckoo.kick_place(
+                        self.keys, self.tags, self.count, self.nb, keys[i], tags[i]
+                    )
+                    if at >= 0:
+                        for name, col in self.cols.items():
+                            col[dest] = col[src]
+                            col[at] = values[name][i] if name in values else self.specs[name][1]
+                        self.size += 1
+                        new[i] = True
+                        moved = True
+                if at < 0:
+                    rest.append(i)
+                else:
+                    slots[i] = at
+            if not rest:
+                return moved
+            items = np.array(rest, dtype=np.intp)
+        slot_of, placed, more = self._insert(items, keys, tags, values, dedupe=True)
+        moved |= more
         new[placed] = True
         slots[placed] = slot_of[placed]
         if not moved:

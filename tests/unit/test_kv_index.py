@@ -1406,6 +1406,39 @@ def test_upsert_with_repeats_full_buckets_and_growth_against_a_dict(
     assert len(set(found.tolist())) == len(ref) and (found >= 0).all()
 
 
+@pytest.mark.parametrize("tag_dtype", [np.uint16, np.uint32])
+def test_small_batches_meeting_full_buckets_take_one_cuckoo_step_and_keep_every_value(
+    tag_dtype: type[np.unsignedinteger[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One item at a time into a table run at 97% load: the items whose two buckets are full are placed by
+    one compiled cuckoo step (an occupant moves to its other bucket with its columns), the rest by the
+    vectorised path; every item keeps its values, and the moved occupants theirs."""
+    from epp.kvindex import cuckoo
+
+    kicks: list[int] = []
+    kick = cuckoo.kick_place
+
+    def counted(*args: Any) -> Any:
+        out = kick(*args)
+        kicks.append(int(out[0]))
+        return out
+
+    monkeypatch.setattr(cuckoo, "kick_place", counted)
+    table = HashTable(tag_dtype, {"v": (np.uint64, 7), "w": (np.uint32, 3)}, buckets=64, max_load=0.97)
+    rng = np.random.default_rng(5)
+    keys = np.unique(rng.integers(0, 2**64 - 1, size=480, dtype=np.uint64))
+    tags = (keys % np.uint64(5)).astype(tag_dtype)
+    for i in range(len(keys)):  # (a repeat of an earlier item now and then)
+        at = [i, i // 2] if i % 7 == 0 else [i]
+        slots, new = table.upsert(keys[at], tags[at], {"v": keys[at] ^ np.uint64(1)})
+        assert table.cols["v"][slots].tolist() == (keys[at] ^ np.uint64(1)).tolist()
+        assert new.tolist() == [True, False][: len(at)]
+    assert any(k >= 0 for k in kicks), "no item was placed by a cuckoo step"
+    found = table.find(keys, tags)
+    assert (found >= 0).all() and len(set(found.tolist())) == len(keys) == table.size
+    assert (table.cols["v"][found] == keys ^ np.uint64(1)).all() and (table.cols["w"][found] == 3).all()
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 10**6), max_size=30)), max_size=12))
 def test_the_compiled_owner_loops_equal_the_vectorised_batch_and_a_multiset(
