@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ttft_schedule.py
 	$(BIN)/python benchmarks/sim_speed.py
 	$(BIN)/python benchmarks/engine_replay.py
+	$(BIN)/python benchmarks/startup.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/demo_time.py
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python benchmarks/overhead.py
 
