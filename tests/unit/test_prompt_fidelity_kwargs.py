@@ -16,20 +16,15 @@ transformers 5.19 on these very tokenizer files; the literals are that output.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
-from epp.kvindex.freshness import FreshnessTracker
-from epp.kvindex.index import BlockIndex
-from epp.kvindex.prompt import TokenizerRegistry
 from epp.kvindex.service import KvIndexService
 from epp.requests import RequestError, build_request
-from epp.testing.tokenizer import build_tiny_tokenizer
 from epp.types import ChatOptions
+from tests.support.chat_services import ids, template_service
 
 CHAT = {":path": "/v1/chat/completions"}
 RESP = {":path": "/v1/responses"}
@@ -53,30 +48,9 @@ REQUEST_TOOL = {"type": "function", "function": {"name": "req"}}
 HI = [0, 2, 445, 300, 3, 203, 203, 44, 77, 4, 2, 363, 87, 77, 297, 313, 88, 3, 203, 203]
 
 
-def _variant(base: Path, dst: Path, chat_template: Any) -> Path:
-    dst.mkdir()
-    (dst / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    (dst / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": chat_template}))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> KvIndexService:
-    base = build_tiny_tokenizer(tmp_path_factory.mktemp("tiny"))
-    root = tmp_path_factory.mktemp("variants")
-    paths = {
-        "m": base,
-        "kw": _variant(base, root / "kwargs", KWARGS),
-        "td": _variant(base, root / "tools_docs", TOOLS_DOCS),
-        "named": _variant(base, root / "named", NAMED),
-    }
-    return KvIndexService(BlockIndex(16, 1000), FreshnessTracker(), TokenizerRegistry(paths), 16)
-
-
-def ids(service: KvIndexService, headers: dict[str, str], body: dict[str, Any]) -> list[int] | None:
-    tokens = service.tokenize(build_request(headers, body, {}))
-    return None if tokens.ids is None else [int(i) for i in tokens.ids]
+    return template_service(tmp_path_factory, {"kw": KWARGS, "td": TOOLS_DOCS, "named": NAMED})
 
 
 def unkeyed(service: KvIndexService, headers: dict[str, str], body: dict[str, Any]) -> str | None:

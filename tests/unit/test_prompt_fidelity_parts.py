@@ -10,19 +10,13 @@ the literals are that output.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from epp.kvindex.chat_template import ChatTemplate
-from epp.kvindex.freshness import FreshnessTracker
-from epp.kvindex.index import BlockIndex
-from epp.kvindex.prompt import TokenizerRegistry
 from epp.kvindex.service import KvIndexService
-from epp.requests import build_request
-from epp.testing.tokenizer import build_tiny_tokenizer
+from tests.support.chat_services import ids, template_service
 
 CHAT = {":path": "/v1/chat/completions"}
 RESP = {":path": "/v1/responses"}
@@ -36,25 +30,9 @@ STRING = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}
 EPHEMERAL = {"type": "ephemeral"}
 
 
-def _variant(base: Path, dst: Path, chat_template: str) -> Path:
-    dst.mkdir()
-    (dst / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    (dst / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": chat_template}))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> KvIndexService:
-    base = build_tiny_tokenizer(tmp_path_factory.mktemp("tiny"))
-    root = tmp_path_factory.mktemp("variants")
-    paths = {"m": base, "parts": _variant(base, root / "parts", PARTS)}
-    return KvIndexService(BlockIndex(16, 1000), FreshnessTracker(), TokenizerRegistry(paths), 16)
-
-
-def ids(service: KvIndexService, headers: dict[str, str], body: dict[str, Any]) -> list[int] | None:
-    tokens = service.tokenize(build_request(headers, body, {}))
-    return None if tokens.ids is None else [int(i) for i in tokens.ids]
+    return template_service(tmp_path_factory, {"parts": PARTS})
 
 
 # --- extra keys on text parts ---

@@ -7,19 +7,14 @@ The expected ids are what vLLM computes (its message construction, rendered and 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from epp.kvindex.freshness import FreshnessTracker
-from epp.kvindex.index import BlockIndex
-from epp.kvindex.prompt import TokenizerRegistry
 from epp.kvindex.service import KvIndexService
 from epp.requests import RequestError, build_request
-from epp.testing.tokenizer import build_tiny_tokenizer
 from epp.types import ChatOptions
+from tests.support.chat_services import ids, template_service
 
 RESP = {":path": "/v1/responses"}
 CHAT = {":path": "/v1/chat/completions"}
@@ -37,29 +32,9 @@ NAMED_TEMPLATES = [
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 
 
-def _variant(base: Path, dst: Path, chat_template: Any) -> Path:
-    dst.mkdir()
-    (dst / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    (dst / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": chat_template}))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> KvIndexService:
-    base = build_tiny_tokenizer(tmp_path_factory.mktemp("tiny"))
-    root = tmp_path_factory.mktemp("variants")
-    paths = {
-        "m": base,
-        "r": _variant(base, root / "reasoning", REASONING_TEMPLATE),
-        "n": _variant(base, root / "named", NAMED_TEMPLATES),
-    }
-    return KvIndexService(BlockIndex(16, 1000), FreshnessTracker(), TokenizerRegistry(paths), 16)
-
-
-def ids(service: KvIndexService, headers: dict[str, str], body: dict[str, Any]) -> list[int] | None:
-    tokens = service.tokenize(build_request(headers, body, {}))
-    return None if tokens.ids is None else [int(i) for i in tokens.ids]
+    return template_service(tmp_path_factory, {"r": REASONING_TEMPLATE, "n": NAMED_TEMPLATES})
 
 
 # --- /v1/responses ---
