@@ -20,6 +20,7 @@ and doubling needs no rehash (`table_growth.split`), so growing from empty costs
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -61,7 +62,8 @@ def filled(n: int, dtype: type[np.generic], value: int) -> Array:
     mem = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = 0
     if huge:
-        mem.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KB pages
+            mem.madvise(mmap.MADV_HUGEPAGE)
         offset = -np.frombuffer(mem, dtype=np.uint8, count=1).ctypes.data % _HUGE_PAGE
     arr: Array = np.frombuffer(mem, dtype=dtype, count=n, offset=offset)
     if value:
