@@ -10,8 +10,10 @@ tokenizer its config names. Environment:
 The Hub answers large files with a redirect to its CDN: redirects are followed (at most
 MAX_REDIRECTS), and the token goes only to the scheme, host and port it was meant for, never to a
 redirect target elsewhere.
-tokenizer.json is required; tokenizer_config.json, special_tokens_map.json and the chat template files are fetched when
-the repository has them. Nothing is written unless every required file was fetched.
+tokenizer.json is required; tokenizer_config.json, special_tokens_map.json, the chat template files, the
+model's config.json and its processor's config files (what the EPP reads to build the tokenizer as vLLM's
+transformers 5 does) are fetched when the repository has them. Nothing is written unless every required
+file was fetched. Not fetched: additional_chat_templates/ (listing a directory needs the Hub's API).
 Exit status: 0 done, 1 a download failed, 2 bad environment.
 """
 
@@ -28,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 REQUIRED = ("tokenizer.json",)
-OPTIONAL = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+OPTIONAL = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "config.json",  # the model type, which picks the tokenizer class transformers 5 builds
+    "processor_config.json",  # a processor: its chat_template.json is vLLM's for chats without tools
+    "preprocessor_config.json",
+)
 TIMEOUT_SECONDS = 60.0
 MAX_REDIRECTS = 5
 DEFAULT_PORTS = {"http": 80, "https": 443}

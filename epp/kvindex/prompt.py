@@ -2,8 +2,8 @@
 
 Pure apart from reading the tokenizer files once at load time (no network, no clock, no global random).
 
-What "as the engine would" means here (vLLM with a fast Hugging Face tokenizer; vLLM pins transformers
->= 4.56, < 5, so the tokenizer is set up by transformers 4.57's rules: `tokenizer_files.py`):
+What "as the engine would" means here (vLLM 0.32 with a fast Hugging Face tokenizer; vLLM pins transformers
+>= 5.16.1, < 5.20, so the tokenizer is set up by transformers 5.19's rules: `tokenizer_files.py`):
 
 - Completions: a token-id prompt is used as given; a text prompt is `encode(text, add_special_tokens=...)`
   with the request's `add_special_tokens` (default True).
@@ -11,12 +11,15 @@ What "as the engine would" means here (vLLM with a fast Hugging Face tokenizer; 
   request's `add_special_tokens` (default False: the template writes the bos token itself). A Responses
   request is a chat encoded with True (`epp/responses_api.py`). A truthy `tokenize` in the client's
   `chat_template_kwargs` has vLLM's transformers call encode the text itself, without special tokens.
-- Loading (`tokenizer_files.py`): `tokenizer.json`, then `tokenizer_config.json` (and, on transformers 4.57's
-  legacy path, `special_tokens_map.json`) for the named special tokens (`bos_token`, ...: the template's
-  variables; those missing from the vocabulary are added as special tokens), the tokenizer class's
-  defaults, its post-processor (`add_bos_token` / `add_eos_token` for the classes that rebuild it) and
-  `add_prefix_space`; and the chat template (`chat_template.jinja` or `chat_template.json` beside it win).
-  `split_special_tokens` is honoured; truncation and padding from the file are switched off.
+- Loading (`tokenizer_files.py`): `tokenizer.json`, rebuilt in code for the classes transformers rebuilds
+  (Llama, Gemma, Qwen2, GPT-2, ...: their normalizer and pre-tokenizer; the class comes from
+  `tokenizer_config.json` and `config.json`'s model type); `tokenizer_config.json` (and, without an
+  `added_tokens_decoder`, `special_tokens_map.json`) for the named special tokens (`bos_token`, ...: the
+  template's variables; those missing from the vocabulary are added as special tokens) and the added
+  tokens; tokenizer.json's post-processor (`add_bos_token` / `add_eos_token` are ignored); the chat
+  templates (`chat_template.jinja` and `additional_chat_templates/` win; a multimodal processor's
+  `chat_template.json` serves chats without tools). `split_special_tokens` is honoured; truncation and
+  padding from the file are switched off. A prompt the tokenizer cannot encode is a TokenizerError.
 - A rendered chat longer than `max_chars` is not encoded (`PromptTooLong`): a template can render a small
   body to megabytes (tool schemas under `tojson(indent=4)`).
 
@@ -44,7 +47,15 @@ from epp.kvindex.chat_inputs import NotTextContent, template_tokenizes, uses_too
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
 from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
 from epp.kvindex.stable_cuts import special_affixes, stable_chunker
-from epp.kvindex.tokenizer_files import TokenizerError, configure, read_config, read_json, template_sources
+from epp.kvindex.tokenizer_files import (
+    TokenizerError,
+    configure,
+    processor_template,
+    read_config,
+    read_json,
+    read_model_config,
+    template_sources,
+)
 from epp.types import ApiKind, ChatOptions, InferenceRequest
 
 __all__ = ["MultimodalPrompt", "PromptTokenizer", "PromptTooLong", "TokenizerError", "TokenizerRegistry"]
@@ -54,6 +65,7 @@ DEFAULT_CHUNK_CHARS = 1024
 _PARALLEL_CHARS = 32 * 1024
 _GIL_FREE_CHARS = 8 * 1024  # a text this long is encoded by the batch call, without the GIL (`_ids`)
 _DEFAULT_CHAT = ChatOptions()
+_PROCESSOR = " processor"  # the multimodal processor's template, beside the tokenizer's named ones
 
 
 class PromptTooLong(TokenizerError):
@@ -84,35 +96,42 @@ class PromptTokenizer:
         chunk_chars: int = DEFAULT_CHUNK_CHARS,
         now: Callable[[], datetime] | None = None,
         template_origin: str = "",
+        model_config: Mapping[str, Any] | None = None,
+        processor_chat_template: tuple[str, str] | None = None,
     ) -> None:
-        """`spec`: the parsed tokenizer.json (to decide which cuts are stable); `template_origin`: the file
-        the chat templates came from (for error messages)."""
+        """`config`: tokenizer_config.json's (`read_config`); `model_config`: config.json's
+        (`read_model_config`); `spec`: the parsed tokenizer.json (to decide which cuts are stable);
+        `template_origin`: the file the chat templates came from (for error messages);
+        `processor_chat_template`: a multimodal processor's template and its file (`processor_template`)."""
         self.name = name
-        config = config or {}
-        self._tok = tokenizer
-        self._tok.no_truncation()
-        self._tok.no_padding()
         try:
-            self.special_tokens, changed = configure(self._tok, config)
+            self._tok, self.special_tokens, changed = configure(tokenizer, config or {}, model_config, spec)
         except TokenizerError as e:
             raise TokenizerError(f"{name}: {e}") from e
-        if changed:
-            spec = None  # describe the tokenizer as it now is, not as tokenizer.json has it
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        if changed or spec is None:  # describe the tokenizer as it now is, not as tokenizer.json has it
+            spec = json.loads(self._tok.to_str())
         self._templates: dict[str, ChatTemplate] = {}
-        for template_name, source in (chat_templates or {}).items():
+        sources = [(n, s, template_origin) for n, s in (chat_templates or {}).items()]
+        if processor_chat_template is not None:
+            sources.append((_PROCESSOR, *processor_chat_template))
+        for template_name, source, origin in sources:
             try:
                 self._templates[template_name] = ChatTemplate(
                     source, special_tokens=self.special_tokens, now=now
                 )
             except ChatTemplateError as e:
-                where = f" in {template_origin}" if template_origin else ""
+                where = f" in {origin}" if origin else ""
                 raise TokenizerError(f"{name}: chat template {template_name!r}{where}: {e}") from e
-        chunker, self.chunking_notes = stable_chunker(
-            self._tok, spec or json.loads(tokenizer.to_str()), chunk_chars
-        )
+        try:
+            chunker, self.chunking_notes = stable_chunker(self._tok, spec, chunk_chars)
+            self._affixes = special_affixes(self._tok)
+        except Exception as e:  # the Rust side raises plain Exception (a character it has no token for, ...)
+            chunker, self._affixes = Chunker(chunk_chars, split_before_space=False), None
+            self.chunking_notes = [f"prefix cache off: the probe texts cannot be encoded ({e})"]
         self._cache = PrefixCache(self._encode_body, self._encode_bodies, chunker, max_bytes=cache_bytes)
         self._lock = threading.Lock()  # the prefix cache's
-        self._affixes = special_affixes(tokenizer)
         if self._affixes is None:
             self.chunking_notes.append("add_special_tokens=True is not a fixed prefix/suffix: not cached")
 
@@ -145,6 +164,7 @@ class PromptTokenizer:
             raise TokenizerError(f"{tokenizer_file}: not a tokenizers file: {e}") from e
         config = read_config(root)
         templates, origin = template_sources(root, config)
+        processor, processor_origin = processor_template(root)
         return cls(
             tokenizer,
             name=label,
@@ -155,6 +175,8 @@ class PromptTokenizer:
             chunk_chars=chunk_chars,
             now=now,
             template_origin=origin,
+            model_config=read_model_config(root),
+            processor_chat_template=None if processor is None else (processor, processor_origin),
         )
 
     def _encode_body(self, text: str) -> list[int]:
@@ -164,16 +186,23 @@ class PromptTokenizer:
         """One text's ids. A long one goes through the batch call, which lets go of the GIL while it works
         (`encode` keeps it: a worker thread tokenizing with it would stop the event loop) and, without
         offsets, is faster too; the ids are the same."""
-        if len(text) < _GIL_FREE_CHARS:
-            short: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-            return short
-        long: list[int] = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-        return long
+        try:
+            if len(text) < _GIL_FREE_CHARS:
+                short: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+                return short
+            batch = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+            long: list[int] = batch[0].ids
+            return long
+        except Exception as e:  # the Rust side raises plain Exception; the engine fails such a prompt too
+            raise TokenizerError(f"{self.name}: cannot encode the prompt: {e}") from e
 
     def _encode_bodies(self, texts: list[str]) -> list[list[int]]:
-        if sum(map(len, texts)) < _PARALLEL_CHARS:  # a thread-pool batch costs ~0.1 ms before any work
-            return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        try:
+            if sum(map(len, texts)) < _PARALLEL_CHARS:  # a thread-pool batch costs ~0.1 ms before any work
+                return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
+            return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        except Exception as e:  # as in `_ids`
+            raise TokenizerError(f"{self.name}: cannot encode the prompt: {e}") from e
 
     # --- public API ---
 
@@ -232,11 +261,16 @@ class PromptTokenizer:
     ) -> str:
         """The prompt text the engine builds from these messages with the model's chat template
         (`keep_unset_kwargs`: a Responses request's, see `ChatTemplate.render`)."""
-        if not self._templates:
-            raise TokenizerError(f"{self.name}: the tokenizer has no chat_template")
-        # as transformers picks, by the tools the template gets (the client's chat_template_kwargs' win)
-        template = self._templates.get("tool_use") if uses_tools(tools, chat_template_kwargs) else None
-        template = template or self._templates.get("default") or next(iter(self._templates.values()))
+        # as vLLM picks: a processor's template for a chat without tools, else transformers' pick by the tools
+        # the template gets (the client's chat_template_kwargs' win): tool_use, else default
+        with_tools = uses_tools(tools, chat_template_kwargs)
+        template = None if with_tools else self._templates.get(_PROCESSOR)
+        template = template or (self._templates.get("tool_use") if with_tools else None)
+        template = template or self._templates.get("default")
+        if template is None:  # transformers raises (vLLM then has no template either)
+            named = ", ".join(sorted(n for n in self._templates if n != _PROCESSOR))
+            missing = f"a default chat_template (only {named})" if named else "chat_template"
+            raise TokenizerError(f"{self.name}: the tokenizer has no {missing}")
         try:
             return template.render(
                 messages,

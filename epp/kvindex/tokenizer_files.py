@@ -1,80 +1,67 @@
-"""A Hugging Face tokenizer directory -> the tokenizer transformers 4.57 builds from it. Pure apart from
-reading the files (at load time).
+"""A Hugging Face tokenizer directory -> the tokenizer transformers 5 builds from it. Pure apart from reading
+the files (at load time).
 
-vLLM loads its tokenizer with `AutoTokenizer.from_pretrained` and pins transformers >= 4.56, < 5, so these are
-transformers 4.57's rules (`PreTrainedTokenizerBase._from_pretrained`, `PreTrainedTokenizerFast.__init__`, the
-classes' `__init__` and `update_post_processor`), not 5's, where they differ:
+vLLM 0.32 loads its tokenizer with `AutoTokenizer.from_pretrained(dir, config=<config.json>, ...)` and pins
+transformers >= 5.16.1, < 5.20, so these are transformers 5.19's rules (`AutoTokenizer.from_pretrained`,
+`PreTrainedTokenizerBase._from_pretrained`, `TokenizersBackend.convert_to_native_format` / `__init__`, the
+classes' `__init__`), checked against it (tests/unit/test_tokenizer_transformers5*.py):
 
-- `tokenizer.json` is the backend (only fast tokenizers are supported).
-- `tokenizer_config.json` names the special tokens (`bos_token`, ..., `additional_special_tokens`,
-  `extra_special_tokens`) and holds `split_special_tokens`, `add_bos_token` / `add_eos_token`,
-  `add_prefix_space` and the chat template (`chat_template.jinja` or `chat_template.json` beside it win).
-- `special_tokens_map.json` is read only when the config has no `added_tokens_decoder` (4.57's legacy path;
-  configs saved by transformers >= 4.34 have one), and then its tokens win over the config's.
-- The config's `tokenizer_class` (the fast one: `LlamaTokenizer` loads as `LlamaTokenizerFast`) brings the
-  class's default special tokens for those the files do not name (`LlamaTokenizerFast`: `<s>`, `</s>`,
-  `<unk>`; `GPT2TokenizerFast`: `<|endoftext|>`; ...). Named special tokens missing from the vocabulary are
-  added to it as special tokens.
-- The classes that rebuild their post-processor (`LlamaTokenizerFast`, `CodeLlamaTokenizerFast`,
-  `GemmaTokenizerFast`, `CohereTokenizerFast`, `GPTNeoXTokenizerFast`) replace tokenizer.json's with
-  `[bos] $A [eos]` per `add_bos_token` / `add_eos_token` (the config's, else the class's default): that,
-  not tokenizer.json, decides what `add_special_tokens=True` adds.
-- A top-level `ByteLevel` pre-tokenizer gets the config's `add_prefix_space` (False when unset) whatever
-  tokenizer.json says, except for `LlamaTokenizerFast` (whose default, None, leaves it as it is); a
-  `Sequence` of pre-tokenizers is left as it is.
-- Unknown classes, a missing `tokenizer_class` and `PreTrainedTokenizerFast` follow the base class: no
-  default tokens, tokenizer.json's post-processor. Not reproduced: a `LlamaTokenizerFast` config with an
-  `add_prefix_space` (transformers converts the slow sentencepiece tokenizer instead), `CohereTokenizerFast`'s
-  `add_prefix_space: true` inside a `Sequence`, and the tokens of `added_tokens_decoder` missing from
-  tokenizer.json.
+- The class: tokenizer_config.json's `tokenizer_class` (`XFast` is `X`), else config.json's, else the one
+  registered for config.json's `model_type`. When both a class and a registered one exist and differ, a
+  model type registered to the generic backend (`mistral`, `phi3`, `deepseek_v3`, ...) wins, and so does
+  the registered class of the types transformers lists as mislabelled on the Hub (`qwen2`, `qwen3_5`).
+- The classes with their own `__init__` reproduced in `tokenizer_classes.py` (Llama, CodeLlama, Gemma, Qwen2, Qwen3.5, CodeGen,
+  GPT-2, GPT-NeoX, Cohere) rebuild the tokenizer in code: only the vocabulary, the merges and the
+  post-processor come from tokenizer.json; its normalizer and pre-tokenizer are replaced by the class's
+  (Llama: `Metaspace` with `prepend_scheme` "first", or "always" with `legacy: true`, "never" with
+  `add_prefix_space: false`). Any other class (the generic `TokenizersBackend` / `PreTrainedTokenizerFast`,
+  unknown names) uses tokenizer.json as it is, `add_prefix_space` included.
+- `add_bos_token` / `add_eos_token` from the files are ignored (transformers drops them when there is a
+  tokenizer.json): tokenizer.json's post-processor decides what `add_special_tokens=True` adds, except
+  that CodeLlama always adds its bos token and GPT-NeoX never adds anything.
+- Special tokens: tokenizer_config.json's `bos_token`, ..., model-specific `*_token` keys and
+  `extra_special_tokens` (or `additional_special_tokens`); `special_tokens_map.json` is read only when the
+  config has no `added_tokens_decoder`, and its tokens win. The class's defaults fill the standard ones the
+  files do not name. The config's `added_tokens_decoder` (else tokenizer.json's added tokens) is added
+  again in id order (its flags win), then the named and extra tokens the tokenizer lacks.
+- `fix_mistral_regex: true` in the config replaces the pre-tokenizer's regex for a vocabulary over 100,000
+  when config.json is a Mistral model's saved before transformers 5 (or does not say by which).
+- Chat templates: `chat_template.jinja` and `additional_chat_templates/*.jinja` win over the config's.
+  `chat_template.json` is a multimodal processor's template: read only beside a processor config
+  (`processor_config.json` / `preprocessor_config.json`), where vLLM uses it for chats without tools.
+
+Not reproduced: remote code (`auto_map`), tokenizers without a tokenizer.json, the other classes that
+rebuild the tokenizer in code (BERT, T5, XLM-R, ...: tokenizer.json is used as it is), CodeLlama's
+infilling (a prompt with `<FILL_ME>`, after which that tokenizer object also encodes differently),
+checkpoints that transformers recognises by their Hub name, `added_tokens.json`, versioned
+`fast_tokenizer_files`, and whether vLLM really finds a processor (decided by the config file's presence).
+Checked against 5.19 only (vLLM 0.32 allows 5.16.1 to 5.19; the model-type table is 5.19's).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, processors
 
+from epp.kvindex.tokenizer_classes import (
+    HfClass,
+    fix_mistral_regex,
+    fixes_mistral_regex,
+    hf_class,
+    token_text,
+)
+
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # read_config's key for that file's content
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 
 class TokenizerError(ValueError):
     """A tokenizer directory or template is unusable, or a prompt cannot be tokenized as the engine would."""
-
-
-@dataclass(frozen=True)
-class _HfClass:
-    """What a transformers 4.57 fast tokenizer class adds to the files."""
-
-    defaults: Mapping[str, str] = field(default_factory=dict)  # special tokens the files may leave unnamed
-    post_processor: tuple[bool, bool] | None = None  # `update_post_processor`: default add_bos, add_eos
-    keeps_prefix_space: bool = False  # `add_prefix_space=None` by default: the pre-tokenizer is kept
-
-
-_LLAMA = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-_ENDOFTEXT = "<|endoftext|>"
-_CLASSES = {
-    "LlamaTokenizerFast": _HfClass(_LLAMA, (True, False), keeps_prefix_space=True),
-    "CodeLlamaTokenizerFast": _HfClass(_LLAMA, (True, False)),
-    "GemmaTokenizerFast": _HfClass(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"},
-        (True, False),
-    ),
-    "CohereTokenizerFast": _HfClass(
-        {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>", "unk_token": "<UNK>"},
-        (True, False),
-    ),
-    "GPTNeoXTokenizerFast": _HfClass(
-        dict.fromkeys(("bos_token", "eos_token", "unk_token"), _ENDOFTEXT), (False, False)
-    ),
-    "GPT2TokenizerFast": _HfClass(dict.fromkeys(("bos_token", "eos_token", "unk_token"), _ENDOFTEXT)),
-    "Qwen2TokenizerFast": _HfClass(dict.fromkeys(("eos_token", "unk_token", "pad_token"), _ENDOFTEXT)),
-}
-_BASE = _HfClass()
 
 
 def read_json(path: Path) -> Any:
@@ -86,47 +73,49 @@ def read_json(path: Path) -> Any:
         raise TokenizerError(f"{path}: not valid JSON: {e}") from e
 
 
-def token_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
+def _read_object(path: Path) -> dict[str, Any]:
+    value = read_json(path) if path.is_file() else {}
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return value
 
 
 def read_config(root: Path) -> dict[str, Any]:
-    """tokenizer_config.json, with special_tokens_map.json's tokens over it on 4.57's legacy path."""
-    config_file = root / "tokenizer_config.json"
-    config = read_json(config_file) if config_file.is_file() else {}
-    if not isinstance(config, dict):
-        raise TokenizerError(f"{config_file}: expected a JSON object")
+    """tokenizer_config.json; with special_tokens_map.json's content under `SPECIAL_TOKENS_MAP` when the
+    config has no `added_tokens_decoder` (transformers 5 reads it then: `_special_tokens`)."""
+    config = _read_object(root / "tokenizer_config.json")
     map_file = root / "special_tokens_map.json"
-    if "added_tokens_decoder" in config or not map_file.is_file():
-        return config
-    special = read_json(map_file)
-    if not isinstance(special, dict):
-        raise TokenizerError(f"{map_file}: expected a JSON object")
-    config = dict(config)
-    for key, value in special.items():
-        if key == "additional_special_tokens" and isinstance(value, list):
-            known = list(config.get("additional_special_tokens") or [])
-            value = known + [t for t in value if t not in known]
-        config[key] = value
+    if "added_tokens_decoder" not in config and map_file.is_file():
+        config[SPECIAL_TOKENS_MAP] = _read_object(map_file)
     return config
 
 
+def read_model_config(root: Path) -> dict[str, Any] | None:
+    """config.json's `model_type`, `tokenizer_class` and `transformers_version` (vLLM passes the model's
+    config to AutoTokenizer); None without a config.json."""
+    if not (root / "config.json").is_file():
+        return None
+    config = _read_object(root / "config.json")
+    keys = ("model_type", "tokenizer_class", "transformers_version")
+    return {k: config[k] for k in keys if isinstance(config.get(k), str)}
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read: {e}") from e
+
+
 def template_sources(root: Path, config: Mapping[str, Any]) -> tuple[dict[str, str], str]:
-    """The chat templates by name, and the file they came from."""
-    jinja_file, json_file = root / "chat_template.jinja", root / "chat_template.json"
-    if jinja_file.is_file():
-        try:
-            return {"default": jinja_file.read_text(encoding="utf-8")}, str(jinja_file)
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{jinja_file}: cannot read: {e}") from e
+    """The tokenizer's chat templates by name, and where they came from."""
+    jinja_file, extra_dir = root / "chat_template.jinja", root / "additional_chat_templates"
+    files = [jinja_file] if jinja_file.is_file() else []
+    files += sorted(extra_dir.glob("*.jinja")) if extra_dir.is_dir() else []
+    if files:
+        named = {("default" if f == jinja_file else f.name.removesuffix(".jinja")): f for f in files}
+        return {name: _read_text(f) for name, f in named.items()}, ", ".join(str(f) for f in files)
     where, value = root / "tokenizer_config.json", config.get("chat_template")
-    if json_file.is_file():
-        where, value = json_file, read_json(json_file)
-        value = value.get("chat_template") if isinstance(value, dict) else None
     if value is None:
         return {}, ""
     if isinstance(value, str):
@@ -139,97 +128,163 @@ def template_sources(root: Path, config: Mapping[str, Any]) -> tuple[dict[str, s
     raise TokenizerError(f"{where}: chat_template must be a string or a list of {{name, template}}")
 
 
-def hf_class(config: Mapping[str, Any]) -> _HfClass:
-    name = config.get("tokenizer_class")
-    if not isinstance(name, str):
-        return _BASE
-    return _CLASSES.get(name.removesuffix("Fast") + "Fast", _BASE)
+def processor_template(root: Path) -> tuple[str | None, str]:
+    """A multimodal processor's chat template: `chat_template.json` beside a processor config (the processor
+    refuses it beside `additional_chat_templates/`). vLLM prefers it to the tokenizer's for chats without
+    tools."""
+    json_file, extra_dir = root / "chat_template.json", root / "additional_chat_templates"
+    processor = any((root / n).is_file() for n in ("processor_config.json", "preprocessor_config.json"))
+    if not processor or not json_file.is_file() or (extra_dir.is_dir() and any(extra_dir.glob("*.jinja"))):
+        return None, ""
+    value = _read_object(json_file).get("chat_template")
+    return (value, str(json_file)) if isinstance(value, str) else (None, "")
 
 
-def configure(tok: Tokenizer, config: Mapping[str, Any]) -> tuple[dict[str, str], bool]:
-    """Set `tok` up as transformers 4.57 does from this config: (the named special tokens, whether the
-    tokenizer now differs from its tokenizer.json)."""
-    cls = hf_class(config)
+def configure(
+    tok: Tokenizer,
+    config: Mapping[str, Any],
+    model_config: Mapping[str, Any] | None = None,
+    spec: Mapping[str, Any] | None = None,
+) -> tuple[Tokenizer, dict[str, str], bool]:
+    """The tokenizer transformers 5 builds from tokenizer.json (`tok`, loaded as it is; `spec`, parsed) and
+    these configs (`read_config`'s, `read_model_config`'s): (the tokenizer, its named special tokens (the
+    template's variables), whether it differs from tokenizer.json). `tok` may be changed or replaced."""
+    cls = hf_class(config, model_config)
+    if spec is None:
+        spec = json.loads(tok.to_str())
+    out = tok
+    if cls.build is not None:
+        vocab, merges = _vocab_and_merges(spec)
+        out = cls.build(vocab, merges, config)
+        if tok.post_processor is not None:
+            out.post_processor = tok.post_processor
     if config.get("split_special_tokens"):
-        tok.encode_special_tokens = True
-    named = {k: config[k] if k in config else cls.defaults.get(k) for k in SPECIAL_KEYS}
-    special, changed = _add_named_special_tokens(tok, named, config)
-    changed = _reset_prefix_space(tok, config, cls) or changed
-    if cls.post_processor is not None:
-        _update_post_processor(tok, config, cls.post_processor, special)
-        changed = True
-    return special, changed
-
-
-def _add_named_special_tokens(
-    tok: Tokenizer, named: Mapping[str, Any], config: Mapping[str, Any]
-) -> tuple[dict[str, str], bool]:
-    """The named special tokens; those the vocabulary lacks are added (as transformers does)."""
-    values: list[Any] = list(named.values())
+        out.encode_special_tokens = True
+    named, extra = _special_tokens(config, cls)
+    added = _add_tokens(out, config, named, extra, spec, rebuilt=cls.build is not None)
+    if cls.readds_special:
+        texts = dict.fromkeys(t for v in (*named.values(), *extra) if (t := token_text(v)))
+        out.add_tokens([AddedToken(t, special=True) for t in texts])
     special = {k: t for k, v in named.items() if (t := token_text(v))}
-    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
-    if isinstance(extra, Mapping):  # model-specific named tokens (image_token, ...)
-        special.update((str(k), t) for k, v in extra.items() if (t := token_text(v)))
-        values += list(extra.values())
-    elif isinstance(extra, list):
-        values += extra
-    present = {t.content for t in tok.get_added_tokens_decoder().values()}
-    missing: dict[str, AddedToken] = {}
-    for value in values:
-        content = token_text(value)
-        if content and content not in present and content not in missing:
-            flags = value if isinstance(value, Mapping) else {}
-            missing[content] = AddedToken(
-                content,
-                single_word=bool(flags.get("single_word", False)),
-                lstrip=bool(flags.get("lstrip", False)),
-                rstrip=bool(flags.get("rstrip", False)),
-                normalized=bool(flags.get("normalized", False)),
-                special=True,
-            )
-    if missing:
-        tok.add_special_tokens(list(missing.values()))
-    return special, bool(missing)
+    fix = fixes_mistral_regex(out, config, model_config)
+    if fix:
+        fix_mistral_regex(out)
+    if cls.post_processor != "file" or out.post_processor is None:
+        _update_post_processor(out, special, add_bos=cls.post_processor == "bos")
+    return out, special, cls.build is not None or added or fix or cls.post_processor != "file"
 
 
-def _reset_prefix_space(tok: Tokenizer, config: Mapping[str, Any], cls: _HfClass) -> bool:
-    """`PreTrainedTokenizerFast.__init__`: a top-level pre-tokenizer whose state has an `add_prefix_space`
-    that differs from the tokenizer's (the config's, else False) is rebuilt with it."""
-    wanted = config.get("add_prefix_space", False)
-    if cls.keeps_prefix_space or not isinstance(wanted, bool) or tok.pre_tokenizer is None:
-        return False  # None (or a non-boolean) cannot rebuild it: transformers leaves it as it is
-    state = json.loads(tok.pre_tokenizer.__getstate__())
-    if state.get("type") != "ByteLevel" or state.get("add_prefix_space", wanted) == wanted:
+def _vocab_and_merges(spec: Mapping[str, Any]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """`TokenizersBackend.convert_to_native_format` for a BPE class: tokenizer.json's vocabulary, merges."""
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    if isinstance(vocab, list):
+        vocab = {(t[0] if isinstance(t, list) else t): i for i, t in enumerate(vocab)}
+    if not isinstance(vocab, dict):
+        raise TokenizerError("tokenizer.json has no vocabulary to rebuild the tokenizer from")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    if any(len(m) != 2 for m in merges):
+        raise TokenizerError("tokenizer.json has a merge that is not a pair")
+    return vocab, [(a, b) for a, b in merges]
+
+
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _special_tokens(config: Mapping[str, Any], cls: HfClass) -> tuple[dict[str, Any], list[Any]]:
+    """`_from_pretrained` and `PreTrainedTokenizerBase.__init__`: the named special tokens (the standard ones,
+    the config's else the class's, then the model-specific ones) and the extra special tokens."""
+    init = {k: v for k, v in config.items() if k != SPECIAL_TOKENS_MAP}
+    if "additional_special_tokens" in init and not init.get("extra_special_tokens"):
+        init["extra_special_tokens"] = init.pop("additional_special_tokens")
+    specific = {k: init.pop(k) for k in list(init) if _model_specific(k, init[k], typed=False)}
+    if isinstance(init.get("extra_special_tokens"), Mapping):
+        specific.update(init.pop("extra_special_tokens"))
+    for key, value in (config.get(SPECIAL_TOKENS_MAP) or {}).items():  # the legacy path: its tokens win
+        if isinstance(value, Mapping) and key != "extra_special_tokens":
+            value = {**value, "special": True, "__type": "AddedToken"}
+        elif key == "extra_special_tokens" and isinstance(value, list):
+            known = _listed(init.get("extra_special_tokens"))
+            value = known + [t for t in value if t not in known]
+        init[key] = value
+    if isinstance(init.get("extra_special_tokens"), Mapping):
+        specific.update(init.pop("extra_special_tokens"))
+    params = {k: init.get(k, v) for k, v in cls.named.items()}  # CodeLlama's: the config's null drops one
+    if params and "extra_special_tokens" not in init:  # CodeLlama lists them as its additional tokens
+        listed = _listed(init.pop("additional_special_tokens", None))
+        init["extra_special_tokens"] = listed + [v for v in params.values() if v is not None]
+    if "additional_special_tokens" in init and "extra_special_tokens" not in init:
+        init["extra_special_tokens"] = init.pop("additional_special_tokens")
+    named: dict[str, Any] = {k: init[k] if k in init else cls.defaults.get(k) for k in SPECIAL_KEYS}
+    named.update(params)
+    named.update((k, v) for k, v in init.items() if _model_specific(k, v, typed=True))
+    named.update((str(k), v) for k, v in specific.items())
+    return {k: v for k, v in named.items() if v is not None}, _listed(init.get("extra_special_tokens"))
+
+
+def _model_specific(key: str, value: Any, *, typed: bool) -> bool:
+    """A `*_token` key beside the standard ones whose value is a token: a string, or (`typed`) an AddedToken
+    (a `{"__type": "AddedToken", "content": ...}` object)."""
+    if not key.endswith("_token") or key in SPECIAL_KEYS:
         return False
-    state.pop("type")
-    state["add_prefix_space"] = wanted
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(**state)
-    return True
+    if isinstance(value, str):
+        return True
+    return typed and isinstance(value, Mapping) and "__type" in value and token_text(value) is not None
 
 
-def _update_post_processor(
-    tok: Tokenizer, config: Mapping[str, Any], defaults: tuple[bool, bool], special: Mapping[str, str]
-) -> None:
-    """`update_post_processor` (Llama, CodeLlama, Gemma, Cohere, GPTNeoX): `[bos] $A [eos]`."""
-    add_bos = bool(config.get("add_bos_token", defaults[0]))
-    add_eos = bool(config.get("add_eos_token", defaults[1]))
-    ends: list[tuple[str, int]] = []
-    for add, key in ((add_bos, "bos_token"), (add_eos, "eos_token")):
-        token = special.get(key)
-        token_id = None if token is None else tok.token_to_id(token)
-        if not add:
-            continue
-        if token is None or token_id is None:
-            raise TokenizerError(f"add_{key} is true but the {key} is not set or not in the vocabulary")
-        ends.append((token, token_id))
-    bos = f"{special['bos_token']}:0 " if add_bos else ""
-    eos = f" {special['eos_token']}:0" if add_eos else ""
-    bos1 = f" {special['bos_token']}:1" if add_bos else ""
-    eos1 = f" {special['eos_token']}:1" if add_eos else ""
-    single = f"{bos}$A:0{eos}"
+def _added_token(value: Any, *, named: bool) -> AddedToken | None:
+    """transformers' AddedToken for a config value (a named special token is made special)."""
+    content = token_text(value)
+    if content is None:
+        return None
+    if isinstance(value, str):
+        return AddedToken(content, special=True)
+    token = AddedToken(content, **{k: bool(value[k]) for k in _TOKEN_FLAGS if k in value})
+    if named and not token.special:
+        token.special = True
+    return token
+
+
+def _add_tokens(
+    tok: Tokenizer,
+    config: Mapping[str, Any],
+    named: Mapping[str, Any],
+    extra: list[Any],
+    spec: Mapping[str, Any],
+    *,
+    rebuilt: bool,
+) -> bool:
+    """`TokenizersBackend.__init__`: the config's `added_tokens_decoder` (else tokenizer.json's added tokens,
+    already there unless the tokenizer was rebuilt) added again in id order, its flags winning; then the
+    named and extra special tokens the tokenizer does not have yet. Whether anything was added."""
+    decoder = config.get("added_tokens_decoder")
+    if not isinstance(decoder, Mapping):
+        decoder = {str(t.get("id")): t for t in spec.get("added_tokens") or []} if rebuilt else {}
+    entries = sorted((int(i), v) for i, v in decoder.items() if str(i).isdigit())
+    tokens = [t for _, v in entries if (t := _added_token(v, named=False)) is not None]
+    present = {t.content for t in tok.get_added_tokens_decoder().values()} | {t.content for t in tokens}
+    wanted = [*((v, True) for v in named.values()), *((v, False) for v in extra)]
+    for value, is_named in wanted:
+        token = _added_token(value, named=is_named)
+        if token is not None and token.content not in present:
+            present.add(token.content)
+            tokens.append(token)
+    if tokens:
+        tok.add_tokens(tokens)
+    return bool(tokens)
+
+
+def _update_post_processor(tok: Tokenizer, special: Mapping[str, str], *, add_bos: bool) -> None:
+    """`TokenizersBackend.update_post_processor`: `[bos] $A` (CodeLlama) or `$A` (nothing added)."""
+    bos = special.get("bos_token") if add_bos else None
+    bos_id = None if bos is None else tok.token_to_id(bos)
+    if bos is None or bos_id is None:
+        tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
+        return
     try:
         tok.post_processor = processors.TemplateProcessing(
-            single=single, pair=f"{single}{bos1} $B:1{eos1}", special_tokens=ends
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
         )
     except Exception as e:  # the Rust side raises plain Exception (a token with a space, ...)
-        raise TokenizerError(f"cannot build the post-processor {single!r}: {e}") from e
+        raise TokenizerError(f"cannot build the post-processor for the bos token {bos!r}: {e}") from e

@@ -1,4 +1,4 @@
-"""A tiny, local, Llama-3-shaped tokenizer directory for tests, benchmarks and the demo.
+"""Tiny, local tokenizer directories for tests, benchmarks and the demo (Llama-3-shaped; Llama-2-shaped).
 
 `build_tiny_tokenizer(dir)` trains a byte-level BPE with `tokenizers` on deterministic generated
 text (no download), and writes what a Hugging Face model directory holds for its tokenizer:
@@ -11,6 +11,9 @@ text (no download), and writes what a Hugging Face model directory holds for its
 
 The same arguments give byte-identical files. `transformers.AutoTokenizer` and vLLM load the
 directory as it is.
+
+`build_tiny_spm_tokenizer(dir)` does the same for a sentencepiece-shaped (Llama 2, Mistral) one, whose
+`LlamaTokenizer` class transformers 5 rebuilds in code (`kvindex/tokenizer_files.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -169,6 +172,53 @@ def build_tiny_tokenizer(directory: str | Path, vocab_size: int = 512, seed: int
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": 131072,
         "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+SPM_BOS, SPM_EOS, SPM_UNK = "<s>", "</s>", "<unk>"
+SPM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def build_tiny_spm_tokenizer(directory: str | Path, vocab_size: int = 700, seed: int = 0) -> Path:
+    """Train and save a tiny sentencepiece-shaped BPE tokenizer, as Llama 2 and Mistral ship theirs: `▁` for
+    spaces (a `Prepend` + `Replace` normalizer, no pre-tokenizer), byte fallback (`<0x00>`...), a
+    post-processor adding `<s>`, and a `LlamaTokenizer` tokenizer_config.json (`add_bos_token`, a Llama-2-like
+    `[INST]` chat template). The same arguments give byte-identical files."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token=SPM_UNK, byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[SPM_UNK, SPM_BOS, SPM_EOS, *byte_tokens], show_progress=False
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    bos_id = tok.token_to_id(SPM_BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPM_BOS}:0 $A:0",
+        pair=f"{SPM_BOS}:0 $A:0 {SPM_BOS}:1 $B:1",
+        special_tokens=[(SPM_BOS, bos_id)],
+    )
+    tok.save(str(out / "tokenizer.json"), pretty=True)
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": SPM_BOS,
+        "chat_template": SPM_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": SPM_EOS,
+        "tokenizer_class": "LlamaTokenizer",
+        "unk_token": SPM_UNK,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

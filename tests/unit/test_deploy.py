@@ -482,11 +482,51 @@ async def test_fetch_tokenizer_writes_a_directory_the_epp_loads(tmp_path: Path) 
     assert (code, err) == (0, "")
     assert out.strip() == f"fetch-tokenizer: {MODEL}: wrote tokenizer.json, tokenizer_config.json to {dest}"
     assert sorted(p.name for p in dest.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
-    assert f"/{MODEL}/resolve/main/chat_template.jinja" in [h.path for h in seen]  # optional files too
+    asked = [h.path for h in seen]
+    for optional in (
+        "chat_template.jinja",
+        "special_tokens_map.json",
+        "config.json",
+        "preprocessor_config.json",
+    ):
+        assert f"/{MODEL}/resolve/main/{optional}" in asked  # optional files too
     loaded, original = PromptTokenizer.from_dir(dest), PromptTokenizer.from_dir(source)
     messages = [{"role": "user", "content": "hello there"}]
     assert loaded.has_chat_template
     assert list(loaded.encode_chat(messages)) == list(original.encode_chat(messages))
+
+
+async def test_fetch_tokenizer_brings_the_model_type_that_picks_the_tokenizer_class(tmp_path: Path) -> None:
+    """A Qwen2 tokenizer saved as the generic class: transformers 5 (vLLM 0.32) builds Qwen2's own class from
+    config.json's model type, which changes the ids; the fetched directory loads as the engine's."""
+    source = build_tiny_tokenizer(tmp_path / "source")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    files = {
+        "tokenizer.json": (source / "tokenizer.json").read_bytes(),
+        "tokenizer_config.json": json.dumps(config).encode(),
+        "config.json": json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}).encode(),
+    }
+    for name, body in files.items():
+        (source / name).write_bytes(body)
+    dest = tmp_path / "tokenizers" / "qwen"
+    async with hub(files) as (url, _):
+        code, _, err = await run_script({"MODEL": MODEL, "DEST": str(dest), "HF_ENDPOINT": url})
+    assert (code, err) == (0, "")
+    assert sorted(p.name for p in dest.iterdir()) == sorted(files)
+    loaded = PromptTokenizer.from_dir(dest)
+    text = "x 123 4567. Hello world"
+    without = tmp_path / "no-model-type"
+    without.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (without / name).write_bytes(files[name])
+    assert list(loaded.encode_text(text, add_special_tokens=False)) == list(
+        PromptTokenizer.from_dir(source).encode_text(text, add_special_tokens=False)
+    )
+    # (the model type matters: without config.json the generic class keys this text otherwise)
+    assert list(loaded.encode_text(text, add_special_tokens=False)) != list(
+        PromptTokenizer.from_dir(without).encode_text(text, add_special_tokens=False)
+    )
 
 
 async def test_fetch_tokenizer_failures_say_why_and_write_nothing(tmp_path: Path) -> None:

@@ -358,9 +358,9 @@ def _copy(src: Path, dst: Path, **config_changes: Any) -> Path:
 
 
 def test_config_bos_flags_are_ignored_by_the_base_class(tiny_dir: Path, tmp_path: Path) -> None:
-    """PreTrainedTokenizerFast (the tiny tokenizer's class) ignores add_bos_token / add_eos_token in
-    transformers 4.57 (vLLM's) as in 5: tokenizer.json's post-processor rules. The classes that rebuild it
-    (LlamaTokenizerFast, ...) honour them: test_prompt_loading_vllm.py."""
+    """PreTrainedTokenizerFast (the tiny tokenizer's class) ignores add_bos_token / add_eos_token, in
+    transformers 4.57 as in 5.x (vLLM 0.32's): tokenizer.json's post-processor rules. In 5.x the classes
+    that rebuild the tokenizer (LlamaTokenizer, ...) ignore them too: test_tokenizer_transformers5.py."""
     for flags in ({"add_bos_token": False}, {"add_bos_token": True, "add_eos_token": True}):
         tok = PromptTokenizer.from_dir(_copy(tiny_dir, tmp_path / str(len(flags)), **flags))
         body = tok.encode_prompt("hi there", add_special_tokens=False).tolist()

@@ -1,8 +1,11 @@
-"""Tokenizer directories loaded as vLLM loads them (transformers 4.57: `kvindex/tokenizer_files.py`), rendered
-chats bounded by the keying limit, and template failures that leave a request unkeyed instead of failing it.
+"""Tokenizer directories loaded as vLLM 0.32 loads them (transformers 5.19: `kvindex/tokenizer_files.py`; more
+cases in test_tokenizer_transformers5.py), rendered chats bounded by the keying limit, and template failures
+that leave a request unkeyed instead of failing it.
 
-The expected ids are what transformers 4.57's `AutoTokenizer` computes on these very files, written down as
-literals.
+The expected ids are what transformers 5.19's `AutoTokenizer.from_pretrained(dir, trust_remote_code=False,
+revision=None, truncation_side="left", mistral_format=False)` (vLLM 0.32's call) computes on these very files
+(`tok(text, add_special_tokens=...)["input_ids"]`; the chat rendered by `apply_chat_template(...,
+tokenize=False)`, then encoded without special tokens), written down as literals.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import pytest
 from epp.kvindex.chat_template import ChatTemplateError
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
-from epp.kvindex.prompt import PromptTokenizer, PromptTooLong, TokenizerError, TokenizerRegistry
+from epp.kvindex.prompt import PromptTokenizer, PromptTooLong, TokenizerRegistry
 from epp.kvindex.service import KvIndexService
 from epp.requests import build_request
 from epp.testing.tokenizer import BOS, EOS, build_tiny_tokenizer
@@ -28,6 +31,10 @@ HI_CHAT = [2, 445, 300, 3, 203, 203, 44, 77, 285, 268, 4, 2, 363, 87, 77, 297, 3
 HI_CHAT_APS = [
     2, 225, 445, 300, 3, 225, 203, 203, 44, 77, 285, 268, 4, 2, 293, 87, 77, 297, 313, 88, 3, 225, 203, 203
 ]  # fmt: skip
+# LlamaTokenizer rebuilds the tokenizer from tokenizer.json's vocabulary and merges with a Metaspace
+# pre-tokenizer: on this byte-level vocabulary, spaces are lost ("▁" is not in it)
+HELLO_LLAMA = [44, 73, 80, 310, 91, 274, 80, 72]
+HI_CHAT_LLAMA = [2, 445, 300, 3, 44, 276, 73, 268, 4, 2, 363, 87, 77, 297, 313, 88, 3]
 
 
 def _variant(
@@ -82,13 +89,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gpt2_defaults": {"config": {"tokenizer_class": "GPT2Tokenizer"}, "drop": ("bos_token", "eos_token")},
 }
 # name -> ("Hello world" with special tokens, without, the chat [{"user": "Hi there"}] with its generation
-# prompt, encoded without special tokens): transformers 4.57
+# prompt, encoded without special tokens): transformers 5.19
 EXPECTED: dict[str, tuple[list[int], list[int], list[int]]] = {
-    # LlamaTokenizerFast rebuilds its post-processor from add_bos_token / add_eos_token: tokenizer.json's
-    # (which adds the bos token) is replaced
-    "llama_nobos": (HELLO, HELLO, [0, *HI_CHAT]),
-    "llama_bos_eos": ([0, *HELLO, 1], HELLO, [0, *HI_CHAT]),
-    # GPTNeoXTokenizerFast too, and its add_bos_token defaults to False
+    # add_bos_token / add_eos_token are ignored: tokenizer.json's post-processor (which adds the bos token)
+    # stays, also for LlamaTokenizerFast, which rebuilds the rest of the tokenizer
+    "llama_nobos": ([0, *HELLO_LLAMA], HELLO_LLAMA, [0, *HI_CHAT_LLAMA]),
+    "llama_bos_eos": ([0, *HELLO_LLAMA], HELLO_LLAMA, [0, *HI_CHAT_LLAMA]),
+    # GPTNeoXTokenizer replaces it with one that adds nothing
     "neox": (HELLO, HELLO, [0, *HI_CHAT]),
     # special_tokens_map.json names the bos token the template writes (no added_tokens_decoder: read) ...
     "stm_legacy": ([0, *HELLO], HELLO, [0, *HI_CHAT]),
@@ -96,10 +103,11 @@ EXPECTED: dict[str, tuple[list[int], list[int], list[int]]] = {
     "stm_override": ([0, *HELLO], HELLO, [0, *HI_CHAT]),
     # ... but is not read when the config has an added_tokens_decoder: no bos token to render
     "stm_ignored": ([0, *HELLO], HELLO, HI_CHAT),
-    # a top-level ByteLevel pre-tokenizer takes the config's add_prefix_space (unset: False) ...
-    "aps_base": ([0, *HELLO], HELLO, [0, *HI_CHAT]),
-    # ... except for LlamaTokenizerFast (its default, None, leaves tokenizer.json's True)
-    "aps_llama": ([0, 225, *HELLO], [225, *HELLO], [0, *HI_CHAT_APS]),
+    # the generic class keeps tokenizer.json's pre-tokenizer, add_prefix_space included (4.57 set the
+    # config's, False when unset) ...
+    "aps_base": ([0, 225, *HELLO], [225, *HELLO], [0, *HI_CHAT_APS]),
+    # ... LlamaTokenizerFast replaces it
+    "aps_llama": ([0, *HELLO_LLAMA], HELLO_LLAMA, [0, *HI_CHAT_LLAMA]),
     "aps_config_true": ([0, 225, *HELLO], [225, *HELLO], [0, *HI_CHAT_APS]),
     # GPT2TokenizerFast's default bos token, missing from the vocabulary: added (id 512), and rendered
     "gpt2_defaults": ([0, *HELLO], HELLO, [512, *HI_CHAT]),
@@ -107,9 +115,7 @@ EXPECTED: dict[str, tuple[list[int], list[int], list[int]]] = {
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_tokenizer_files_are_read_as_transformers_4_57_reads_them(
-    base: Path, tmp_path: Path, name: str
-) -> None:
+def test_tokenizer_files_are_read_as_transformers_5_reads_them(base: Path, tmp_path: Path, name: str) -> None:
     spec = dict(VARIANTS[name])
     if name == "stm_ignored":
         spec["config"] = {"added_tokens_decoder": _added_tokens_decoder(base)}
@@ -125,15 +131,19 @@ def test_the_class_default_special_tokens_are_named_and_added(base: Path, tmp_pa
     tok = PromptTokenizer.from_dir(
         _variant(base, tmp_path / "neox", config={"tokenizer_class": "GPTNeoXTokenizer"})
     )
-    assert tok.special_tokens == {"bos_token": BOS, "eos_token": EOS, "unk_token": "<|endoftext|>"}
-    assert tok.encode_prompt("<|endoftext|>", add_special_tokens=False).tolist() == [512]
+    # transformers 5.19: special_tokens_map {bos, eos, unk: <|endoftext|>, pad: <|padding|>}, ids 512, 513
+    specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": "<|endoftext|>", "pad_token": "<|padding|>"}
+    assert tok.special_tokens == specials
+    assert tok.encode_prompt("<|endoftext|><|padding|>", add_special_tokens=False).tolist() == [512, 513]
 
 
-def test_a_post_processor_class_without_its_bos_token_is_refused(base: Path, tmp_path: Path) -> None:
-    """transformers raises too ("add_bos_token = True but bos_token = None"): vLLM could not load it."""
+def test_a_llama_class_without_its_bos_token_still_gets_the_files_bos(base: Path, tmp_path: Path) -> None:
+    """transformers 5.19 loads it (4.57 raised "add_bos_token = True but bos_token = None"): tokenizer.json's
+    post-processor still adds <|begin_of_text|>, and the template has no bos_token to write."""
     d = _variant(base, tmp_path / "x", config={"tokenizer_class": "LlamaTokenizerFast", "bos_token": None})
-    with pytest.raises(TokenizerError, match="add_bos_token is true"):
-        PromptTokenizer.from_dir(d)
+    tok = PromptTokenizer.from_dir(d)
+    assert tok.encode_prompt("Hello world").tolist() == [0, *HELLO_LLAMA]
+    assert tok.encode_chat([{"role": "user", "content": "Hi there"}]).tolist() == HI_CHAT_LLAMA
 
 
 # --- rendered chats over the keying limit ---
