@@ -10,9 +10,10 @@ classes' `__init__`), checked against it (tests/unit/test_tokenizer_transformers
   registered for config.json's `model_type`. When both a class and a registered one exist and differ, a
   model type registered to the generic backend (`mistral`, `phi3`, `deepseek_v3`, ...) wins, and so does
   the registered class of the types transformers lists as mislabelled on the Hub (`qwen2`, `qwen3_5`).
-- The classes with their own `__init__` reproduced in `tokenizer_classes.py` (Llama, CodeLlama, Gemma, Qwen2, Qwen3.5, CodeGen,
-  GPT-2, GPT-NeoX, Cohere) rebuild the tokenizer in code: only the vocabulary, the merges and the
-  post-processor come from tokenizer.json; its normalizer and pre-tokenizer are replaced by the class's
+- The classes with their own `__init__` reproduced in `tokenizer_classes.py` (Llama, CodeLlama, Gemma,
+  Qwen2, Qwen3.5, CodeGen, GPT-2, GPT-NeoX, Cohere) rebuild the tokenizer in code: only the vocabulary,
+  the merges and the post-processor come from tokenizer.json; its normalizer and pre-tokenizer are replaced
+  by the class's
   (Llama: `Metaspace` with `prepend_scheme` "first", or "always" with `legacy: true`, "never" with
   `add_prefix_space: false`). Any other class (the generic `TokenizersBackend` / `PreTrainedTokenizerFast`,
   unknown names) uses tokenizer.json as it is, `add_prefix_space` included.
