@@ -6,10 +6,18 @@ A vLLM page is tens of kilobytes, mostly histogram buckets, and the EPP scrapes 
 only on the few lines that match. It deliberately does NOT use `prometheus_client.parser`, which
 builds every metric family (each bucket included) on each call and is far too slow for this.
 
-Aggregation when a series appears several times (several `engine` or `model_name` label values):
-waiting, running and the prefix-cache counters are summed, KV usage takes the maximum (the fullest
-engine), cache geometry takes the first usable label value, and for `vllm:lora_requests_info` the
+Aggregation when a series appears several times (several `engine`, `dp_rank` or `model_name` label
+values): waiting, running and the prefix-cache counters are summed, KV usage takes the maximum (the
+fullest engine), cache geometry takes the first usable value, and for `vllm:lora_requests_info` the
 sample with the highest value (a timestamp) wins. Non-finite samples (`NaN`, `±Inf`) are ignored.
+A waiting or running series with a non-empty `priority` label is skipped: SGLang with priority
+scheduling exports the total under `priority=""` and the same requests again per priority.
+
+Engine versions: vLLM's KV usage is `vllm:kv_cache_usage_perc` (0.10+), else the older
+`vllm:gpu_cache_usage_perc`; SGLang's is `sglang:kv_cache_usage_perc` where exported (newer releases:
+KV pools only), else `sglang:token_usage` (which also counts a hybrid model's Mamba state pool).
+SGLang's cache geometry is the `sglang:page_size` and `sglang:num_pages` gauges (sgl-project/sglang
+#24197), or the `page_size`/`num_pages` labels of the `sglang:cache_config_info` they replaced.
 
 Errors: `MetricsParseError` names the line when a line of a needed series is malformed (other lines
 are never inspected, so garbage there is ignored), says there are no known engine metrics at all, or
@@ -31,6 +39,7 @@ class MetricsParseError(ValueError):
 
 
 _WAITING, _RUNNING, _KV, _KV_LEGACY, _GEOMETRY, _QUERIES, _HITS, _LORA = range(8)
+_KV_SGLANG, _PAGE_SIZE, _NUM_PAGES = range(8, 11)
 
 _SERIES: dict[str, int] = {
     "vllm:num_requests_waiting": _WAITING,
@@ -38,10 +47,13 @@ _SERIES: dict[str, int] = {
     "vllm:num_requests_running": _RUNNING,
     "sglang:num_running_reqs": _RUNNING,
     "vllm:kv_cache_usage_perc": _KV,  # vLLM 0.10+
-    "sglang:token_usage": _KV,
+    "sglang:token_usage": _KV,  # used only without sglang:kv_cache_usage_perc
+    "sglang:kv_cache_usage_perc": _KV_SGLANG,
     "vllm:gpu_cache_usage_perc": _KV_LEGACY,  # vLLM before 0.10; used only without the new name
     "vllm:cache_config_info": _GEOMETRY,
-    "sglang:cache_config_info": _GEOMETRY,
+    "sglang:cache_config_info": _GEOMETRY,  # SGLang before #24197
+    "sglang:page_size": _PAGE_SIZE,
+    "sglang:num_pages": _NUM_PAGES,
     "vllm:prefix_cache_queries_total": _QUERIES,
     "sglang:prompt_tokens_total": _QUERIES,
     "vllm:prefix_cache_hits_total": _HITS,
@@ -79,6 +91,7 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
     waiting = running = 0.0
     kv: float | None = None
     kv_legacy: float | None = None
+    kv_sglang: float | None = None
     queries: float | None = None
     hits: float | None = None
     block_size: int | None = None
@@ -120,13 +133,23 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
         elif not math.isfinite(value):
             continue
         elif kind == _WAITING:
-            waiting += value
+            if not labels.get("priority"):  # a per-priority series repeats part of the total
+                waiting += value
         elif kind == _RUNNING:
-            running += value
+            if not labels.get("priority"):
+                running += value
         elif kind == _KV:
             kv = value if kv is None else max(kv, value)
         elif kind == _KV_LEGACY:
             kv_legacy = value if kv_legacy is None else max(kv_legacy, value)
+        elif kind == _KV_SGLANG:
+            kv_sglang = value if kv_sglang is None else max(kv_sglang, value)
+        elif kind == _PAGE_SIZE:
+            if block_size is None:
+                block_size = _whole(value, MAX_BLOCK_SIZE)
+        elif kind == _NUM_PAGES:
+            if num_blocks is None:
+                num_blocks = _whole(value, MAX_GPU_BLOCKS)
         elif kind == _QUERIES:
             queries = (queries or 0.0) + value
         else:  # _HITS
@@ -146,7 +169,7 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
     for what, total in sums:
         if total is not None and not math.isfinite(total):  # finite samples whose sum overflows
             raise MetricsParseError(f"the {what} samples add up to more than a float holds")
-    usage = kv if kv is not None else kv_legacy if kv_legacy is not None else 0.0
+    usage = next((u for u in (kv_sglang, kv, kv_legacy) if u is not None), 0.0)
     lora = lora or {}
     return MetricsSnapshot(
         observed_at=observed_at,
@@ -226,6 +249,12 @@ def _positive_int(text: str | None, limit: int) -> int | None:
     except ValueError:
         return None
     return number if 0 < number <= limit else None
+
+
+def _whole(value: float, limit: int) -> int | None:
+    """A gauge holding a count (`sglang:num_pages 6250.0`); None unless a whole number in 1..`limit`
+    (the caller has already dropped non-finite values)."""
+    return int(value) if value.is_integer() and 0 < value <= limit else None
 
 
 def _adapters(text: str | None) -> frozenset[str]:
