@@ -1,17 +1,23 @@
 """Decode engine KV-cache event batches (vLLM 0.9+, SGLang 0.5.x) into typed events.
 
 Payload (shared/reference/kv-events.md): msgpack `[ts, events, data_parallel_rank?]`; events
-are positional arrays (vLLM 0.9-0.23, early SGLang) or maps tagged by `type` (vLLM 0.24+,
-recent SGLang). Missing trailing / defaulted fields are allowed, unknown ones ignored.
+are positional arrays (vLLM 0.9-0.23, SGLang up to 0.5.19) or maps tagged by `type` (vLLM 0.24+,
+SGLang 0.5.21+). Missing trailing / defaulted fields are allowed, unknown ones ignored.
 Fast path: one typed msgspec decode (types checked in C, token ids straight into tuples), then
 a short loop per event. If that decode rejects the payload, a slow path decodes event by event
 (accepting batches that mix both encodings) and names the bad event, field and reason.
+
+Two SGLang shapes take the slow path (`_narrow`): an EAGLE server's BlockStored carries
+`[token, next token]` bigram pairs as token ids (the block holds the first token of each pair),
+and SGLang 0.5.18-0.5.19 append a salted request's `{"cache_salt": ...}` metadata map to the
+array-form BlockStored, at position 7 (where vLLM puts `lora_name`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Annotated, Any, Final, Generic, TypeVar, Union
 
 import msgspec
@@ -197,6 +203,25 @@ class _MapRemovedU(_MapRemoved, tag="BlockRemoved"):
     block_hashes: tuple[_UHash, ...]
 
 
+# SGLang shapes the typed fast path leaves to the slow path, where `_narrow` reads them.
+_Bigram = tuple[int, int]  # EAGLE keys SGLang's radix tree by (token, next token), one pair per position
+
+
+class _SglMetadata(msgspec.Struct, gc=False):
+    """SGLang 0.5.18-0.5.19 `BlockStoredMetadata`: a salted request's BlockStored array ends with it."""
+
+    cache_salt: str | None = None
+
+
+class _ArrStoredWide(_ArrStored, tag="BlockStored"):
+    token_ids: tuple[int | _Bigram, ...]  # type: ignore[assignment]
+    lora_name: str | _SglMetadata | None = None  # type: ignore[assignment]
+
+
+class _MapStoredWide(_MapStored, tag="BlockStored"):
+    token_ids: tuple[int | _Bigram, ...]  # type: ignore[assignment]
+
+
 _E = TypeVar("_E")
 
 
@@ -217,10 +242,13 @@ _BATCH: Final[dict[tuple[bool, bool], msgspec.msgpack.Decoder[_Batch[_WireEvent]
     (True, False): msgspec.msgpack.Decoder(_Batch[_MapEvent]),
 }
 _RAW_BATCH: Final = msgspec.msgpack.Decoder(_Batch[msgspec.Raw])
+# (the slow path's, per event: also SGLang's bigram token ids and metadata)
 _EVENT: Final[dict[bool, msgspec.msgpack.Decoder[_WireEvent]]] = {
-    False: msgspec.msgpack.Decoder(_ArrEvent),
-    True: msgspec.msgpack.Decoder(_MapEvent),
+    False: msgspec.msgpack.Decoder(Union[_ArrStoredWide, _ArrRemoved, _ArrCleared]),  # noqa: UP007
+    True: msgspec.msgpack.Decoder(Union[_MapStoredWide, _MapRemoved, _MapCleared]),  # noqa: UP007
 }
+_WIDE: Final = (_ArrStoredWide, _MapStoredWide)
+_FIRST: Final = itemgetter(0)
 
 
 # --- decoding -------------------------------------------------------------------------------
@@ -358,10 +386,41 @@ def _decode_slow(payload: bytes) -> EventBatch:
     for i, raw in enumerate(batch.events):
         head = memoryview(raw)[0]
         try:
-            wire.append(_EVENT[0x80 <= head <= 0x8F or head in (0xDE, 0xDF)].decode(raw))
+            ev = _EVENT[0x80 <= head <= 0x8F or head in (0xDE, 0xDF)].decode(raw)
         except msgspec.ValidationError as e:
             raise _event_error(i, msgspec.msgpack.decode(raw), e) from None
+        wire.append(_narrow(i, ev) if type(ev) in _WIDE else ev)
     return _convert(batch.ts, wire, batch.data_parallel_rank, False)
+
+
+def _narrow(index: int, ev: Any) -> _WireEvent:
+    """A BlockStored decoded with SGLang's wider types, as the fast path's types have it: bigram token ids
+    as the first token of each pair (the tokens of the positions the page holds: the ids a prompt's keys
+    run over), and a 0.5.18-0.5.19 metadata map as the event's `cache_salt` (no adapter name)."""
+    tokens = ev.token_ids
+    meta = ev.lora_name if type(ev.lora_name) is _SglMetadata else None
+    kinds = set(map(type, tokens))
+    if tuple in kinds:
+        if int in kinds:
+            detail = "mixes token ids and [token, next token] bigram pairs"
+            raise DecodeError("field_type", f"event {index} (BlockStored): field token_ids: {detail}")
+        tokens = tuple(map(_FIRST, tokens))
+    elif meta is None:
+        return ev  # type: ignore[no-any-return]  # nothing SGLang-only in it
+    return _MapStored(
+        block_hashes=ev.block_hashes,
+        parent_block_hash=ev.parent_block_hash,
+        token_ids=tokens,
+        block_size=ev.block_size,
+        lora_id=ev.lora_id,
+        medium=ev.medium,
+        lora_name=None if meta is not None else ev.lora_name,
+        extra_keys=ev.extra_keys,
+        group_idx=ev.group_idx,
+        kv_cache_spec_kind=ev.kv_cache_spec_kind,
+        kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
+        cache_salt=meta.cache_salt if meta is not None else getattr(ev, "cache_salt", None),
+    )
 
 
 def _batch_error(payload: bytes, error: msgspec.ValidationError) -> DecodeError:
@@ -392,15 +451,22 @@ def _is_hash(v: object) -> bool:
     return type(v) is int or type(v) is bytes
 
 
+def _is_token(v: object) -> bool:
+    return type(v) is int or (type(v) is list and len(v) == 2 and type(v[0]) is int and type(v[1]) is int)
+
+
 # Field name -> (check, expectation), in wire order; the first `_REQUIRED[tag]` are required.
 _CHECKS: Final[dict[str, tuple[Any, str]]] = {
     "block_hashes": (_list_of(_is_hash), "an array of int or bin hashes"),
     "parent_block_hash": (lambda v: v is None or _is_hash(v), "nil or an int or bin hash"),
-    "token_ids": (_list_of(lambda v: type(v) is int), "an array of ints"),
+    "token_ids": (_list_of(_is_token), "an array of ints (or of SGLang's [int, int] bigram pairs)"),
     "block_size": (lambda v: type(v) is int and v >= 1, "an int >= 1"),
     "lora_id": (_opt(int), "nil or an int"),
     "medium": (_opt(str), "nil or a string"),
-    "lora_name": (_opt(str), "nil or a string"),
+    "lora_name": (
+        lambda v: v is None or type(v) in (str, dict),
+        "nil or a string (SGLang: its metadata map)",
+    ),
     "extra_keys": (lambda v: v is None or _list_of(_opt(list))(v), "nil or an array of nil/arrays"),
     "group_idx": (_opt(int), "nil or an int"),
     "kv_cache_spec_kind": (_opt(str), "nil or a string"),

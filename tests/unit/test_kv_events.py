@@ -171,6 +171,23 @@ SHAPES = [
         BlockStored((3,), None, (1, 2, 3), 16, GPU),
     ),
     ("sglang-page-1", mstored([3], block_size=1, token_ids=[9]), BlockStored((3,), None, (9,), 1, GPU)),
+    # SGLang with EAGLE: [token, next token] bigram pairs, read as the first token of each
+    (
+        "sglang-bigrams",
+        mstored([3], block_size=2, token_ids=[[7, 8], [8, 9]]),
+        BlockStored((3,), None, (7, 8), 2, GPU),
+    ),
+    (
+        "sglang-bigrams-array",
+        [*stored([3])[:3], [[7, 8], [8, 9]], 2, None],
+        BlockStored((3,), None, (7, 8), 2, GPU),
+    ),
+    # SGLang 0.5.18-0.5.19: a salted request's array BlockStored ends with {"cache_salt": ...}
+    (
+        "sglang-0.5.19-metadata",
+        stored([1], None, None, "CPU_PINNED", {"cache_salt": "t"}),
+        expect_stored([1], tier=CPU, cache_salt="t"),
+    ),
 ]
 
 
@@ -403,7 +420,9 @@ FIELD_TYPES: list[tuple[str, str, Any]] = [
     ("tokens-float", "token_ids", [1, 2.0]),
     ("tokens-str-entry", "token_ids", [1, "2"]),
     ("tokens-bool-entry", "token_ids", [1, False]),
-    ("tokens-nested", "token_ids", [[1, 2]]),
+    ("tokens-nested", "token_ids", [[1, 2, 3]]),  # (a pair [1, 2] is SGLang's EAGLE bigram: valid)
+    ("tokens-pair-str", "token_ids", [[1, "2"]]),
+    ("tokens-mixed-pairs", "token_ids", [1, [2, 3]]),
     ("block-size-str", "block_size", "16"),
     ("block-size-zero", "block_size", 0),
     ("block-size-nil", "block_size", None),
