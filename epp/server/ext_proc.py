@@ -1,8 +1,10 @@
 """Envoy ext_proc stream handling: one gRPC stream per HTTP request.
 
 Request path: headers are held until the body ends (FULL_DUPLEX_STREAMED) or answered at once
-(BUFFERED / STREAMED / header-only); at the end of the body the request is scheduled and the
-destination is returned as a header and as `envoy.lb` dynamic metadata. Response path: the
+(BUFFERED / header-only); at the end of the body the request is scheduled and the destination is
+returned as a header and as `envoy.lb` dynamic metadata. A request with a body in `request_body_mode`
+STREAMED or NONE is refused at its headers (`unsupported_mode`): Envoy routes on the headers' answer
+there, before the EPP has read any body, so the pick could not reach it. Response path: the
 body is echoed (duplex) while usage and the first byte are recorded, and the request's
 in-flight accounting is released at the end, on error, or when the stream goes away. The response
 is the backend's: bookkeeping never fails it (an unexpected error is counted and logged, and the
@@ -47,6 +49,18 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 _DUPLEX = 4  # ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = 1
+# Request body modes in which Envoy passes the request headers on to the router as soon as they are
+# answered, before (STREAMED) or without (NONE) sending the body: the pick, made from the body, would
+# come too late, and the request would go to no endpoint or to a destination header the client sent.
+_ROUTES_ON_HEADERS = {0: "NONE", _STREAMED: "STREAMED"}
+
+
+def unsupported_mode(mode: int) -> str:
+    return (
+        f"request_body_mode {_ROUTES_ON_HEADERS[mode]} is not supported: Envoy routes on the answer to the "
+        "request headers, before the EPP has read the body its pick needs; configure FULL_DUPLEX_STREAMED "
+        "(Envoy Gateway's default) or BUFFERED"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +125,12 @@ class RequestStream:
         self.subset = subset_hint(msg)
         if msg.request_headers.end_of_stream:
             return self._route(None, header_phase=True)
+        if self.request_mode in _ROUTES_ON_HEADERS:
+            # Refused rather than routed past the EPP (this answer cannot carry the pick yet).
+            return self._reject(500, "Internal", unsupported_mode(self.request_mode))
         if self.request_mode != _DUPLEX:
-            # BUFFERED/STREAMED: Envoy waits for this answer before sending the body.
+            # BUFFERED: Envoy waits for this answer before sending the body, and holds the headers
+            # until the body's answer (which carries the destination).
             return (pb.ProcessingResponse(request_headers=pb.HeadersResponse()),)
         return ()
 
@@ -138,8 +156,6 @@ class RequestStream:
         self.body += body.body
         if self.request_mode == _DUPLEX and not body.end_of_stream:
             return ()
-        if self.request_mode == _STREAMED and not body.end_of_stream:  # STREAMED: acknowledge each chunk
-            return (pb.ProcessingResponse(request_body=pb.BodyResponse()),)
         return self._route(self.body, header_phase=False)
 
     def _request_trailers(self) -> Iterable[pb.ProcessingResponse]:
@@ -155,14 +171,6 @@ class RequestStream:
     def _route(
         self, body: bytearray | None, header_phase: bool, body_eos: bool = True, trailers: bool = False
     ) -> Iterable[pb.ProcessingResponse]:
-        if body is not None and self.request_mode == _STREAMED and self.director.tenancy is not None:
-            # STREAMED chunks were passed on as they came: the body can no longer be changed.
-            return self._reject(
-                500,
-                "Internal",
-                "tenant isolation rewrites the request body; configure request_body_mode "
-                "FULL_DUPLEX_STREAMED or BUFFERED",
-            )
         try:
             parsed = self.director.parse(self.headers, body)
         except RequestError as err:

@@ -234,12 +234,12 @@ def test_tenant_salt_in_buffered_mode_rewrites_the_body_response() -> None:
 
 
 def test_streamed_mode_cannot_carry_a_tenant_salt_and_says_so() -> None:
+    # Refused at the headers, salt or not (tests/unit/test_ext_proc_reference.py): Envoy would route on them.
     d = director(tenancy=SALTER)
     s = RequestStream(d, 1 << 30)
-    s.on_message(tenant_headers(1))
-    [resp] = s.on_message(body(BODY, True))
+    [resp] = s.on_message(tenant_headers(1))
     assert resp.immediate_response.status.code == 500
-    assert b"request_body_mode" in resp.immediate_response.body
+    assert b"request_body_mode STREAMED" in resp.immediate_response.body
     assert s.done and d.datastore.total_in_flight() == 0
 
 
