@@ -1,9 +1,16 @@
 """EndpointPickerConfig: parse and validate the YAML, then build the scheduler. Pure.
 
 The format is the reference EPP's (`apiVersion: inference.networking.x-k8s.io/v1alpha1`,
-`kind: EndpointPickerConfig`, `plugins`, `schedulingProfiles`, `saturationDetector`), plus
-our own optional sections (`endpoints`, `objectives`). Every error is a `ConfigError` naming
-the file, the plugin (or section) and the field, raised at startup.
+`kind: EndpointPickerConfig`, `plugins`, `schedulingProfiles`, `saturationDetector`,
+`featureGates`), plus our own optional sections (`endpoints`, `objectives`, ...). Every error is a
+`ConfigError` naming the file, the plugin (or section) and the field, raised at startup.
+
+Defaults are applied as the reference's loader applies them: a plugin's name is its type; without
+`schedulingProfiles` one profile `default` takes every declared filter, scorer and picker; a scorer
+without a weight weighs 1; a profile without a picker uses the first declared picker, else a
+`max-score-picker`; one profile without a profile handler gets `single-profile-handler`; a
+`saturationDetector` threshold of 0 is unset. The reference's sections this EPP does not implement
+(`flowControl`, `data`, ...) are refused by name (`config_sections.UNSUPPORTED_SECTIONS`).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import dataclasses
 import ipaddress
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,29 +36,33 @@ from epp.config_sections import (
     IndexEntry,
     KvEventsConfig,
     KvEventsEntry,
+    SaturationEntry,
     TenancyEntry,
     _Struct,
     admission_config,
     explain_config,
     kv_events_config,
+    refuse_unsupported,
+    saturation_config,
     tenancy_config,
     validation_error,
 )
 from epp.costmodel.profile import ProfileError
 from epp.costmodel.service import CostModelSettings, parse_cost_model
-from epp.durations import parse_duration
 from epp.scheduling.admission import Admission
 from epp.scheduling.framework import Filter, Picker, PluginHandle, ProfileHandler, Scorer
 from epp.scheduling.plugins.max_score_picker import MaxScorePicker
 from epp.scheduling.plugins.single_profile_handler import SingleProfileHandler
 from epp.scheduling.profile import NamedFilter, SchedulerProfile, WeightedScorer
-from epp.scheduling.registry import PluginParamsError, PluginRegistry
+from epp.scheduling.registry import PROFILE_KINDS, PluginParamsError, PluginRegistry
 from epp.scheduling.saturation import SaturationDetector
 from epp.scheduling.scheduler import Scheduler
 from epp.tenancy import TenancyConfig
 
-API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1",)
+API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1", "llm-d.ai/v1alpha1")
+"""The reference EPP's apiVersion, and llm-d's name for the same schema since its router moved it."""
 KIND = "EndpointPickerConfig"
+DEFAULT_PROFILE = "default"
 
 
 class PluginEntry(_Struct):
@@ -68,12 +79,6 @@ class ProfilePluginRef(_Struct):
 class ProfileEntry(_Struct):
     name: str
     plugins: list[ProfilePluginRef] = []
-
-
-class SaturationEntry(_Struct):
-    queue_depth_threshold: int = 5
-    kv_cache_util_threshold: float = 0.8
-    metrics_staleness_threshold: str | float = "200ms"
 
 
 class EndpointEntry(_Struct):
@@ -124,6 +129,9 @@ class EppConfig:
     admission: Admission = dataclasses.field(default_factory=Admission)
     tenancy: TenancyConfig | None = None
     explain: ExplainConfig = dataclasses.field(default_factory=ExplainConfig)
+    implied_profile: bool = False
+    """`schedulingProfiles` was not given: `doc` holds the reference's default profile, which lists
+    every plugin; the filters, scorers and picker among them make it up."""
 
 
 DEFAULT_CONFIG_YAML = """\
@@ -190,6 +198,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         raise ConfigError(source, "", "", "not valid YAML: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ConfigError(source, "", "", "the config must be a YAML mapping")
+    refuse_unsupported(source, raw, KIND)
     try:
         doc = msgspec.convert(raw, ConfigDoc, strict=True)
     except msgspec.ValidationError as err:
@@ -197,9 +206,16 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
     except RecursionError:
         raise ConfigError(source, "", "", "the config is nested too deeply") from None
     if doc.api_version not in API_VERSIONS:
-        raise ConfigError(source, "", "apiVersion", f"unsupported apiVersion {doc.api_version!r}")
+        accepted = " or ".join(API_VERSIONS)
+        raise ConfigError(
+            source, "", "apiVersion", f"unsupported apiVersion {doc.api_version!r} (accepted: {accepted})"
+        )
     if doc.kind != KIND:
         raise ConfigError(source, "", "kind", f"kind must be {KIND!r}, got {doc.kind!r}")
+    implied_profile = not doc.scheduling_profiles
+    if implied_profile:  # the reference's default profile; `build_scheduler` keeps the kinds it takes
+        refs = [ProfilePluginRef(p.name or p.type) for p in doc.plugins]
+        doc = msgspec.structs.replace(doc, scheduling_profiles=[ProfileEntry(DEFAULT_PROFILE, refs)])
     endpoints = []
     for i, e in enumerate(doc.endpoints):
         entry = EndpointEntry(address=e) if isinstance(e, str) else e
@@ -212,16 +228,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         if o.name in objectives:
             raise ConfigError(source, f"objective {o.name!r}", "name", "duplicate objective")
         objectives[o.name] = o.priority
-    sat = doc.saturation_detector or SaturationEntry()
-    try:
-        staleness = parse_duration(sat.metrics_staleness_threshold)
-    except ValueError as err:
-        raise ConfigError(source, "saturationDetector", "metricsStalenessThreshold", str(err)) from None
-    if not 0.0 <= sat.kv_cache_util_threshold <= 1.0:
-        raise ConfigError(source, "saturationDetector", "kvCacheUtilThreshold", "must be in [0, 1]")
-    if sat.queue_depth_threshold < 0:
-        raise ConfigError(source, "saturationDetector", "queueDepthThreshold", "must be >= 0")
-    saturation = SaturationDetector(sat.queue_depth_threshold, sat.kv_cache_util_threshold, staleness)
+    saturation = saturation_config(source, doc.saturation_detector or SaturationEntry())
     kv = kv_events_config(source, doc.kv_events or KvEventsEntry())
     idx = doc.index or IndexEntry()
     if not 1 <= idx.block_size <= 256:
@@ -250,6 +257,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         admission_config(source, doc.admission or AdmissionEntry()),
         tenancy_config(source, doc.tenancy),
         explain_config(source, doc.explain or ExplainEntry()),
+        implied_profile,
     )
 
 
@@ -277,9 +285,11 @@ def build_scheduler(
     """Instantiate every plugin (validating parameters) and assemble the profiles."""
     src = config.source
     handle = PluginHandle(clock=clock, rng=rng, services=dict(services or {}))
+    _refuse_unknown_types(src, config.doc.plugins, registry)
     built: dict[str, tuple[str, Any]] = {}
     kinds: dict[str, str] = {}
     handler: ProfileHandler | None = None
+    handler_where = ""
     for i, entry in enumerate(config.doc.plugins):
         name = entry.name or entry.type
         where = f"plugin {name!r} (plugins[{i}], type {entry.type!r})"
@@ -296,23 +306,56 @@ def build_scheduler(
             if handler is not None:
                 raise ConfigError(src, where, "type", "only one profile handler may be configured")
             assert isinstance(plugin, ProfileHandler)
-            handler = plugin
+            handler, handler_where = plugin, where
     if not config.doc.scheduling_profiles:
         raise ConfigError(src, "schedulingProfiles", "", "at least one scheduling profile is required")
+    # Like the reference, a profile without a picker uses a declared one (the first), else max-score.
+    pickers = [(built[n][0], built[n][1]) for n, kind in kinds.items() if kind == "picker"]
+    default_picker = pickers[0] if pickers else ("max-score-picker", MaxScorePicker("max-score-picker", 1))
     profiles: dict[str, SchedulerProfile] = {}
     for profile in config.doc.scheduling_profiles:
         if profile.name in profiles:
             raise ConfigError(src, f"profile {profile.name!r}", "name", "duplicate profile name")
-        profiles[profile.name] = _build_profile(src, profile, built, kinds)
+        if config.implied_profile:
+            refs = [r for r in profile.plugins if kinds.get(r.plugin_ref) in PROFILE_KINDS]
+            profile = msgspec.structs.replace(profile, plugins=refs)
+        profiles[profile.name] = _build_profile(
+            src, profile, built, kinds, default_picker, config.implied_profile
+        )
     if handler is None:
         if len(profiles) > 1:
             raise ConfigError(src, "schedulingProfiles", "", "several profiles need a profile-handler plugin")
         handler = SingleProfileHandler("single-profile-handler")
+    elif isinstance(handler, SingleProfileHandler) and len(profiles) > 1:
+        raise ConfigError(
+            src,
+            handler_where,
+            "type",
+            f"single-profile-handler runs one profile, but {len(profiles)} are configured "
+            "(several profiles need a handler that chooses between them)",
+        )
     return Scheduler(profiles, handler, clock, rng, config.saturation, timer, config.admission)
 
 
+def _refuse_unknown_types(src: str, plugins: Sequence[PluginEntry], registry: PluginRegistry) -> None:
+    """One error naming every plugin type the registry lacks (a pasted config often has several)."""
+    unknown = [(i, e) for i, e in enumerate(plugins) if e.type not in registry]
+    if not unknown:
+        return
+    i, entry = unknown[0]
+    name = entry.name or entry.type
+    others = list(dict.fromkeys(e.type for _, e in unknown[1:] if e.type != entry.type))
+    message = registry.unknown_type_message(entry.type, others)
+    raise ConfigError(src, f"plugin {name!r} (plugins[{i}], type {entry.type!r})", "type", message)
+
+
 def _build_profile(
-    src: str, profile: ProfileEntry, built: Mapping[str, tuple[str, Any]], kinds: Mapping[str, str]
+    src: str,
+    profile: ProfileEntry,
+    built: Mapping[str, tuple[str, Any]],
+    kinds: Mapping[str, str],
+    default_picker: tuple[str, Picker],
+    implied: bool = False,
 ) -> SchedulerProfile:
     filters: list[NamedFilter] = []
     scorers: list[WeightedScorer] = []
@@ -338,13 +381,16 @@ def _build_profile(
             filters.append(NamedFilter(plugin, type_name))
         elif kind == "picker":
             if picker is not None:
-                raise ConfigError(src, where, "pluginRef", "a profile takes exactly one picker")
+                why = "a profile takes exactly one picker"
+                if implied:
+                    why += " (schedulingProfiles is not given, so this one takes every declared picker)"
+                raise ConfigError(src, where, "pluginRef", why)
             assert isinstance(plugin, Picker)
             picker = (type_name, plugin)
         else:
             raise ConfigError(src, where, "pluginRef", f"a {kind} cannot be part of a profile")
     if picker is None:
-        picker = ("max-score-picker", MaxScorePicker("max-score-picker", 1))
+        picker = default_picker
     return SchedulerProfile(profile.name, filters, scorers, picker[1], picker[0])
 
 

@@ -7,6 +7,7 @@ that names the profile and plugin.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import msgspec
 from epp.durations import parse_duration
 from epp.kvindex.ingest import MAX_DP_RANKS
 from epp.scheduling.admission import Admission
+from epp.scheduling.saturation import SaturationDetector
 from epp.tenancy import TenancyConfig
 
 
@@ -247,3 +249,79 @@ def kv_events_config(source: str, e: KvEventsEntry) -> KvEventsConfig:
     if problem is not None:
         raise ConfigError(source, "kvEvents", problem[0], problem[1])
     return kv
+
+
+class SaturationEntry(_Struct):
+    queue_depth_threshold: int = 5
+    kv_cache_util_threshold: float = 0.8
+    metrics_staleness_threshold: str | float = "200ms"
+
+
+_DATA_LAYER = (
+    "the reference EPP's data layer is not configurable here: this EPP scrapes every endpoint's "
+    "/metrics itself. Remove the section (the plugins metrics-data-source and core-metrics-extractor "
+    "are accepted and may stay)"
+)
+UNSUPPORTED_SECTIONS: dict[str, str] = {
+    "data": _DATA_LAYER,
+    "dataLayer": _DATA_LAYER,
+    "flowControl": (
+        "the reference EPP's flow control (queueing requests in priority bands) is not implemented: a "
+        "sheddable request is refused with 429 when the pool is saturated (saturationDetector) or over "
+        "its TTFT SLO (admission). Remove the section"
+    ),
+    "parser": (
+        "request parsers are not configurable: this EPP reads OpenAI completion and chat request bodies. "
+        "Remove the section"
+    ),
+    "requestHandler": (
+        "request parsers are not configurable: this EPP reads OpenAI completion and chat request bodies. "
+        "Remove the section"
+    ),
+    "requestControl": "the reference EPP's request control settings are not implemented. Remove the section",
+    "discovery": (
+        "endpoint discovery plugins are not supported: use --pool-name (InferencePool discovery) or "
+        "static endpoints (--endpoints, the endpoints section). Remove the section"
+    ),
+}
+"""Top-level sections of the reference EPP (and of llm-d's) that this EPP does not implement, and why."""
+
+
+def refuse_unsupported(source: str, raw: Mapping[str, Any], kind: str) -> None:
+    """The reference's sections this EPP does not implement, refused naming what to do instead (in a
+    document of `kind` only: a Kubernetes ConfigMap, say, also has a `data` key)."""
+    if raw.get("kind") != kind:
+        return
+    for key, why in UNSUPPORTED_SECTIONS.items():
+        if key in raw:
+            raise ConfigError(source, "", key, why)
+    sat = raw.get("saturationDetector")
+    if isinstance(sat, dict) and "pluginRef" in sat:
+        raise ConfigError(
+            source,
+            "saturationDetector",
+            "pluginRef",
+            "saturation-detector plugins (the form of llm-d and newer reference releases) are not "
+            "supported: give the thresholds queueDepthThreshold, kvCacheUtilThreshold and "
+            "metricsStalenessThreshold instead",
+        )
+
+
+def saturation_config(source: str, sat: SaturationEntry) -> SaturationDetector:
+    """The detector for `sat`. As in the reference's loader, a threshold of 0 is unset (its default);
+    unlike it, other out-of-range values are errors rather than silently replaced."""
+    defaults = SaturationEntry()
+    where = "saturationDetector"
+    try:
+        staleness = parse_duration(sat.metrics_staleness_threshold)
+    except ValueError as err:
+        raise ConfigError(source, where, "metricsStalenessThreshold", str(err)) from None
+    if staleness == 0:
+        staleness = parse_duration(defaults.metrics_staleness_threshold)
+    kv = sat.kv_cache_util_threshold or defaults.kv_cache_util_threshold
+    if not 0.0 < kv <= 1.0:
+        raise ConfigError(source, where, "kvCacheUtilThreshold", f"must be in (0, 1] (0: unset), got {kv}")
+    queue = sat.queue_depth_threshold or defaults.queue_depth_threshold
+    if queue < 0:
+        raise ConfigError(source, where, "queueDepthThreshold", f"must be >= 1 (0: unset), got {queue}")
+    return SaturationDetector(queue, kv, staleness)

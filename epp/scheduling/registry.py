@@ -7,7 +7,7 @@ holding the in-tree plugins, and users may register their own on it before loadi
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,13 +15,30 @@ import msgspec
 
 from epp.scheduling.framework import Filter, Picker, Plugin, PluginHandle, ProfileHandler, Scorer
 
-PluginKind = Literal["filter", "scorer", "picker", "profile-handler"]
+PluginKind = Literal["filter", "scorer", "picker", "profile-handler", "data-source", "data-extractor"]
 _KIND_PROTOCOLS: dict[PluginKind, type] = {
     "filter": Filter,
     "scorer": Scorer,
     "picker": Picker,
     "profile-handler": ProfileHandler,
+    # The reference EPP's data-layer plugins: declared under `plugins`, never part of a profile.
+    "data-source": Plugin,
+    "data-extractor": Plugin,
 }
+PROFILE_KINDS: frozenset[PluginKind] = frozenset({"filter", "scorer", "picker"})
+"""The kinds a scheduling profile holds (the reference's default profile takes every plugin of these)."""
+
+RENAMED_TYPES: dict[str, str] = {
+    "prefix-cache": "prefix-cache-scorer",
+    "max-score": "max-score-picker",
+    "random": "random-picker",
+    "single-profile": "single-profile-handler",
+    "queue": "queue-scorer",
+    "kv-cache": "kv-cache-utilization-scorer",
+    "kv-cache-scorer": "kv-cache-utilization-scorer",
+}
+"""Plugin type names of earlier reference EPP releases and what they are called now (named in the
+error: the reference itself no longer accepts them either)."""
 
 
 class PluginParamsError(ValueError):
@@ -69,14 +86,28 @@ class PluginRegistry:
             raise ValueError(f"plugin type {spec.type_name!r} is already registered")
         self._specs[spec.type_name] = spec
 
+    def __contains__(self, type_name: object) -> bool:
+        return type_name in self._specs
+
+    def _unknown(self, type_name: str) -> str:
+        renamed = RENAMED_TYPES.get(type_name)
+        if renamed is not None and renamed in self._specs:
+            return f"{type_name!r} (the reference EPP renamed it {renamed!r})"
+        return repr(type_name)
+
+    def unknown_type_message(self, type_name: str, also: Sequence[str] = ()) -> str:
+        """Why `type_name` (and the types `also` of the same config) cannot be built: unknown, with the
+        current name of an old one, and the known types."""
+        message = f"unknown plugin type {self._unknown(type_name)}"
+        if also:
+            message += f"; also unknown here: {', '.join(self._unknown(t) for t in also)}"
+        return f"{message} (known types: {', '.join(sorted(self._specs))})"
+
     def spec(self, type_name: str) -> PluginSpec:
         try:
             return self._specs[type_name]
         except KeyError:
-            known = ", ".join(sorted(self._specs))
-            raise PluginParamsError(
-                "type", f"unknown plugin type {type_name!r} (known types: {known})"
-            ) from None
+            raise PluginParamsError("type", self.unknown_type_message(type_name)) from None
 
     def types(self) -> list[PluginSpec]:
         return [self._specs[k] for k in sorted(self._specs)]

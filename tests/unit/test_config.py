@@ -131,7 +131,16 @@ def test_reference_style_config_is_accepted() -> None:
             "queue-scorer",
             "name",
         ),
-        (HEAD + "plugins: []\nschedulingProfiles: []\n", "schedulingProfiles", ""),
+        (  # the reference refuses single-profile-handler with several profiles too
+            HEAD + "plugins:\n- type: single-profile-handler\nschedulingProfiles: [{name: a}, {name: b}]\n",
+            "single-profile-handler",
+            "type",
+        ),
+        (  # no schedulingProfiles: the default profile takes every picker, and a profile takes one
+            HEAD + "plugins:\n- type: max-score-picker\n- type: random-picker\n",
+            "random-picker",
+            "pluginRef",
+        ),
         (HEAD + "plugins: []\nschedulingProfiles: [{name: a}, {name: b}]\n", "schedulingProfiles", ""),
         (HEAD + "plugins: []\nschedulingProfiles: [{name: d}]\nsurprise: 1\n", "", "surprise"),
         (
