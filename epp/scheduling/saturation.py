@@ -1,8 +1,8 @@
 """Saturation detector: is the pool too loaded to admit sheddable requests?
 
-Same defaults as the reference EPP: an endpoint is saturated when its waiting queue reaches
-5, its KV usage reaches 0.8, or its metrics are older than 200 ms. The pool is saturated when
-every candidate is.
+Same defaults and comparisons as the reference EPP (its `Detector.IsSaturated`): an endpoint is
+saturated when its waiting queue is above 5, its KV usage above 0.8, or its metrics older than
+200 ms (or missing). The pool is saturated when every candidate is.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class SaturationDetector:
         m = endpoint.metrics
         if m is None or endpoint.metrics_age(now) > self.metrics_staleness_threshold:
             return True
-        return m.waiting >= self.queue_depth_threshold or m.kv_usage >= self.kv_cache_util_threshold
+        return m.waiting > self.queue_depth_threshold or m.kv_usage > self.kv_cache_util_threshold
 
     def pool_saturated(self, endpoints: Sequence[Endpoint], now: float) -> bool:
         return all(self.endpoint_saturated(ep, now) for ep in endpoints)

@@ -78,6 +78,11 @@ def test_no_candidates_is_503_and_all_filtered_is_429() -> None:
         ([endpoint("a:1", waiting=9), endpoint("b:1", waiting=0)], -1, False),
         ([endpoint("a:1", waiting=9)], 0, False),
         ([endpoint("a:1", waiting=9)], 5, False),
+        # the reference's comparisons: saturated *above* a threshold (defaults 5 waiting, 0.8 KV usage)
+        ([endpoint("a:1", waiting=5)], -1, False),
+        ([endpoint("a:1", waiting=6)], -1, True),
+        ([endpoint("a:1", kv_usage=0.8)], -1, False),
+        ([endpoint("a:1", kv_usage=0.81)], -1, True),
     ],
 )
 def test_sheddable_requests_are_refused_by_a_saturated_pool(eps: list, priority: int, shed: bool) -> None:  # type: ignore[type-arg]
