@@ -1,14 +1,17 @@
 """An `InferencePool` plus the Pods of its namespace -> the endpoint set (pure).
 
 Objects are the API server's JSON as plain mappings (`inference.networking.k8s.io/v1`
-`InferencePool`, core `v1` `Pod`). A pod is a candidate when it matches the pool's
-`spec.selector.matchLabels`, has the `Ready` condition `"True"`, has a `status.podIP` and no
-`metadata.deletionTimestamp`; each candidate gives one endpoint `<podIP>:<port>` per
-`spec.targetPorts[].number` (IPv6 as `[addr]:port`).
+`InferencePool`, core `v1` `Pod`). A pool with `metadata.deletionTimestamp` is being deleted and
+counts as absent. A pod is a candidate when it matches the pool's `spec.selector.matchLabels`, has
+the `Ready` condition `"True"`, has a `status.podIP` and no `metadata.deletionTimestamp`; each
+candidate gives one endpoint `<podIP>:<port>` per `spec.targetPorts[].number` (IPv6 as
+`[addr]:port`), except that a pod annotated with its active ports (`ACTIVE_PORTS_ANNOTATIONS`, as
+the reference EPPs read them) gives only those of the target ports.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,10 @@ GROUP = "inference.networking.k8s.io"
 VERSION = "v1"
 PLURAL = "inferencepools"
 MAX_TARGET_PORTS = 8
+# The ports a pod serves, when not all the pool's target ports: comma-separated numbers. llm-d's key
+# wins over the Inference Extension's (llm-d-router reads it first, the other as a fallback).
+ACTIVE_PORTS_ANNOTATIONS = ("llm-d.ai/active-ports", "inference.networking.k8s.io/active-ports")
+_LEADING_INT = re.compile(r"[+-]?[0-9]+")
 
 
 class PoolError(ValueError):
@@ -76,6 +83,12 @@ def parse_pool(obj: Any) -> PoolSpec:
     return PoolSpec(name, tuple(sorted(pairs)), tuple(ports))
 
 
+def being_deleted(obj: Any) -> bool:
+    """The object has `metadata.deletionTimestamp`: deleted, held only by finalizers or a grace period."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    return isinstance(meta, Mapping) and meta.get("deletionTimestamp") is not None
+
+
 def object_name(obj: Any) -> str | None:
     """`metadata.name` of an object, or None when it is not a usable object."""
     if not isinstance(obj, Mapping):
@@ -93,7 +106,7 @@ def exclusion(pod: Mapping[str, Any], pool: PoolSpec) -> str | None:
     labels = labels if isinstance(labels, Mapping) else {}
     if any(labels.get(k) != v for k, v in pool.selector):
         return "selector"
-    if meta.get("deletionTimestamp") is not None:
+    if being_deleted(pod):
         return "deleting"
     status = pod.get("status")
     status = status if isinstance(status, Mapping) else {}
@@ -117,12 +130,33 @@ def _ready(conditions: Any) -> bool:
     )
 
 
+def active_ports(pod: Mapping[str, Any], ports: tuple[int, ...]) -> tuple[int, ...]:
+    """The target ports the pod serves: all of them, unless an active-ports annotation names some.
+
+    As the reference reads it: each comma-separated entry, trimmed, is read as a decimal number
+    (leading digits, like Go's `Sscanf("%d")`) and kept when it is positive and a target port;
+    an annotation with no such entry leaves none. The pool's port order is kept."""
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if not isinstance(annotations, Mapping):
+        return ports
+    value = next((annotations[k] for k in ACTIVE_PORTS_ANNOTATIONS if k in annotations), None)
+    if not isinstance(value, str):
+        return ports
+    named: set[int] = set()
+    for entry in value.split(","):
+        m = _LEADING_INT.match(entry.strip())
+        if m is not None:
+            named.add(int(m.group()))
+    return tuple(p for p in ports if p in named)
+
+
 def pod_endpoints(pod: Mapping[str, Any], pool: PoolSpec) -> list[str]:
-    """The pod's endpoints (one per target port), or [] when it is not a candidate."""
+    """The pod's endpoints (one per active target port), or [] when it is not a candidate."""
     if exclusion(pod, pool) is not None:
         return []
     ip = pod["status"]["podIP"]
-    return [parse_endpoint_address(f"{ip}:{port}") for port in pool.ports]
+    return [parse_endpoint_address(f"{ip}:{port}") for port in active_ports(pod, pool.ports)]
 
 
 def pool_endpoints(pool: PoolSpec, pods: Iterable[Mapping[str, Any]]) -> list[str]:

@@ -3,7 +3,8 @@ selector matches, and keep the datastore's endpoint set equal to what they descr
 
 Two tasks, informer-style. The pool task lists the pool (`fieldSelector=metadata.name=<pool>`),
 then watches from the list's `resourceVersion`; the pod task, started for the pool's selector and
-restarted when the selector changes, lists the matching Pods and watches them the same way. Every
+restarted when the selector changes, lists the matching Pods and watches them the same way. A pool
+marked for deletion (`metadata.deletionTimestamp`, held by a finalizer) counts as deleted. Every
 watch asks for bookmarks and keeps the latest `resourceVersion` (bookmarks included), so a watch that
 the server ends is resumed where it stopped without a list. `410 Gone` (HTTP status or `ERROR` event)
 lists again at once; a list replaces the known objects, so nothing is lost or duplicated. Other
@@ -27,7 +28,16 @@ import aiohttp
 
 from epp.datastore import Datastore
 from epp.discovery.client import ApiError, Gone, KubeApi, connect, resource_version
-from epp.discovery.pool import PoolError, PoolSpec, object_name, parse_pool, pool_endpoints
+from epp.discovery.pool import (
+    GROUP,
+    VERSION,
+    PoolError,
+    PoolSpec,
+    being_deleted,
+    object_name,
+    parse_pool,
+    pool_endpoints,
+)
 from epp.discovery.settings import DiscoverySettings
 
 log = logging.getLogger("epp.discovery")
@@ -173,6 +183,9 @@ class PoolWatcher:
             self._apply_pool(obj)
 
     def _apply_pool(self, obj: Mapping[str, Any]) -> None:
+        if being_deleted(obj):  # held by a finalizer: as good as gone (the reference clears its store)
+            self._pool_missing("is being deleted (metadata.deletionTimestamp is set)")
+            return
         self._missing_logged = False
         try:
             spec = parse_pool(obj)
@@ -330,9 +343,10 @@ class PoolWatcher:
                 return  # list again at once; twice in a row without an event backs off
         elif resource == POOL and kind == "not_found":
             log.error(
-                "InferencePool %s: the API server has no inferencepools.%s (is the CRD installed?): %s",
+                "InferencePool %s: the API server has no inferencepools.%s/%s (is the CRD installed?): %s",
                 self.where,
-                "inference.networking.k8s.io",
+                GROUP,
+                VERSION,
                 err,
             )
             self._pool_missing("unavailable", count=False)

@@ -13,7 +13,10 @@ loopback, as the API server does:
 - after `compact()`, a watch from an older resourceVersion gets 410 Gone, as an `ERROR` event with a
   `Status` (`gone_as="event"`, what current API servers send) or as the HTTP status (`"status"`);
 - a missing object is 404; `crd_installed=False` makes the whole inferencepools resource 404;
-  `fail_next(status)` answers the next requests with an error.
+  `fail_next(status)` answers the next requests with an error;
+- deleting an object that has `metadata.finalizers` only marks it (`deletionTimestamp`,
+  `deletionGracePeriodSeconds: 0`, a MODIFIED event); it goes (DELETED) when an update empties its
+  finalizers, as the API server does.
 
 Tests change the world with `add_pod`/`update_pod`/`delete_pod` and `add_pool`/`put_pool`/
 `update_pool`/`delete_pool`; each bumps the resourceVersion and notifies the watchers.
@@ -279,6 +282,7 @@ current-context: fake
         *,
         ready: bool = True,
         namespace: str = "default",
+        annotations: Mapping[str, str] | None = None,
     ) -> Obj:
         status: Obj = {
             "phase": "Running" if ip else "Pending",
@@ -303,6 +307,8 @@ current-context: fake
             "spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai"}]},
             "status": status,
         }
+        if annotations:
+            obj["metadata"]["annotations"] = dict(annotations)
         return self.put(PODS, obj)
 
     def update_pod(
@@ -314,7 +320,9 @@ current-context: fake
         ip: str | None = None,
         labels: Mapping[str, str] | None = None,
         deleting: bool | None = None,
+        annotations: Mapping[str, str] | None = None,
     ) -> Obj:
+        """Change a pod; `annotations` replaces them all (`{}` removes them)."""
         obj = self.get(PODS, namespace, name)
         if ready is not None:
             for c in obj["status"]["conditions"]:
@@ -325,6 +333,11 @@ current-context: fake
             obj["status"]["podIPs"] = [{"ip": ip}]
         if labels is not None:
             obj["metadata"]["labels"] = dict(labels)
+        if annotations is not None:
+            if annotations:
+                obj["metadata"]["annotations"] = dict(annotations)
+            else:
+                obj["metadata"].pop("annotations", None)
         if deleting is not None:
             if deleting:
                 obj["metadata"]["deletionTimestamp"] = "2025-01-01T00:10:00Z"
@@ -337,16 +350,38 @@ current-context: fake
 
     # -- pools -------------------------------------------------------------------------------
     def add_pool(
-        self, name: str, selector: Mapping[str, str], ports: list[int], *, namespace: str = "default"
+        self,
+        name: str,
+        selector: Mapping[str, str],
+        ports: list[int],
+        *,
+        namespace: str = "default",
+        finalizers: list[str] | None = None,
     ) -> Obj:
+        """A v1 InferencePool as the API server returns it (the CRD's defaults filled in)."""
+        meta: Obj = {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"pool-uid-{next(self._uids)}",
+            "generation": 1,
+            "creationTimestamp": "2025-01-01T00:00:00Z",
+        }
+        if finalizers:
+            meta["finalizers"] = list(finalizers)
         obj: Obj = {
             "apiVersion": f"{POOL_GROUP}/{POOL_VERSION}",
             "kind": "InferencePool",
-            "metadata": {"name": name, "namespace": namespace, "uid": f"pool-uid-{next(self._uids)}"},
+            "metadata": meta,
             "spec": {
                 "selector": {"matchLabels": dict(selector)},
                 "targetPorts": [{"number": p} for p in ports],
-                "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": 9002}},
+                "endpointPickerRef": {
+                    "group": "",
+                    "kind": "Service",
+                    "name": f"{name}-epp",
+                    "port": {"number": 9002},
+                    "failureMode": "FailClose",
+                },
             },
         }
         return self.put(POOLS, obj)
@@ -358,12 +393,21 @@ current-context: fake
         namespace: str = "default",
         selector: Mapping[str, str] | None = None,
         ports: list[int] | None = None,
+        finalizers: list[str] | None = None,
     ) -> Obj:
+        """Change a pool; `finalizers=[]` removes them (which completes a pending deletion)."""
         obj = self.get(POOLS, namespace, name)
         if selector is not None:
             obj["spec"]["selector"] = {"matchLabels": dict(selector)}
         if ports is not None:
             obj["spec"]["targetPorts"] = [{"number": p} for p in ports]
+        if finalizers is not None:
+            if finalizers:
+                obj["metadata"]["finalizers"] = list(finalizers)
+            else:
+                obj["metadata"].pop("finalizers", None)
+        if selector is not None or ports is not None:
+            obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
         return self.put(POOLS, obj)
 
     def put_pool(self, obj: Obj) -> Obj:
@@ -371,6 +415,7 @@ current-context: fake
         return self.put(POOLS, obj)
 
     def delete_pool(self, name: str, namespace: str = "default") -> None:
+        """Delete a pool (with finalizers: only mark it, as the API server does)."""
         self.delete(POOLS, namespace, name)
 
     # -- the store ---------------------------------------------------------------------------
@@ -379,19 +424,42 @@ current-context: fake
         return copy.deepcopy(self.objects[resource][(namespace, name)])
 
     def put(self, resource: str, obj: Obj) -> Obj:
-        """Create or replace an object; bumps the resourceVersion and notifies the watchers."""
+        """Create or replace an object; bumps the resourceVersion and notifies the watchers. An update
+        that empties the finalizers of an object marked for deletion deletes it (a DELETED event, as
+        the API server sends; the object's final state is returned)."""
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         key = (meta.get("namespace", "default"), meta["name"])
         meta["namespace"] = key[0]
+        old = self.objects[resource].get(key)
+        if (
+            old is not None
+            and old["metadata"].get("finalizers")
+            and not meta.get("finalizers")
+            and meta.get("deletionTimestamp") is not None
+        ):
+            self.objects[resource][key] = obj
+            self.delete(resource, key[0], key[1])
+            return copy.deepcopy(obj)
         self.rv += 1
         meta["resourceVersion"] = str(self.rv)
-        old = self.objects[resource].get(key)
         self.objects[resource][key] = obj
         self._record(_Change(self.rv, resource, key[0], old, copy.deepcopy(obj)))
         return copy.deepcopy(obj)
 
     def delete(self, resource: str, namespace: str, name: str) -> None:
+        """Remove an object (DELETED); one with finalizers is only marked for deletion (MODIFIED)."""
+        current = self.objects[resource][(namespace, name)]
+        meta = current["metadata"]
+        if meta.get("finalizers"):
+            if meta.get("deletionTimestamp") is None:
+                marked = copy.deepcopy(current)
+                marked["metadata"]["deletionTimestamp"] = "2025-01-01T00:20:00Z"
+                marked["metadata"]["deletionGracePeriodSeconds"] = 0
+                if "generation" in marked["metadata"]:
+                    marked["metadata"]["generation"] = int(marked["metadata"]["generation"]) + 1
+                self.put(resource, marked)
+            return
         old = self.objects[resource].pop((namespace, name))
         self.rv += 1
         old["metadata"]["resourceVersion"] = str(self.rv)
