@@ -8,5 +8,6 @@ COMPILED = [
     "epp.kvindex.cuckoo",
     "epp.kvindex.ownership",
     "epp.kvindex.event_scan",
+    "epp.kvindex.rolling",
     "epp.costmodel.estimate",
 ]
