@@ -14,6 +14,7 @@ here), and names where llm-d's `indexerConfig`/`kvEventsConfig` settings go inst
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -102,17 +103,17 @@ def prefix_cache_settings(params: PrefixCacheParams) -> approx_prefix_scorer.App
     return out
 
 
-def _build_prefix_cache_scorer(name: str, params: PrefixCacheParams, handle: PluginHandle) -> Plugin:
-    return approx_prefix_scorer.SPEC.build(name, prefix_cache_settings(params), handle)
+def translated(spec: PluginSpec, params_type: type[Params], settings: Callable[[Any], Any]) -> PluginSpec:
+    """`spec` configured with `params_type` (its own parameters plus the reference's names for them),
+    which `settings` turns into its own parameters before it is built."""
+
+    def build(name: str, params: Any, handle: PluginHandle) -> Plugin:
+        return spec.build(name, settings(params), handle)
+
+    return PluginSpec(spec.type_name, spec.kind, params_type, build, spec.doc)
 
 
-PREFIX_CACHE_SPEC = PluginSpec(
-    approx_prefix_scorer.SPEC.type_name,
-    approx_prefix_scorer.SPEC.kind,
-    PrefixCacheParams,
-    _build_prefix_cache_scorer,
-    approx_prefix_scorer.SPEC.doc,
-)
+PREFIX_CACHE_SPEC = translated(approx_prefix_scorer.SPEC, PrefixCacheParams, prefix_cache_settings)
 
 
 class LlmdTokenProcessorConfig(Params):
@@ -175,16 +176,8 @@ def precise_prefix_settings(params: PrecisePrefixCacheParams) -> precise_prefix_
     )
 
 
-def _build_precise_prefix_scorer(name: str, params: PrecisePrefixCacheParams, handle: PluginHandle) -> Plugin:
-    return precise_prefix_scorer.SPEC.build(name, precise_prefix_settings(params), handle)
-
-
-PRECISE_PREFIX_SPEC = PluginSpec(
-    precise_prefix_scorer.SPEC.type_name,
-    precise_prefix_scorer.SPEC.kind,
-    PrecisePrefixCacheParams,
-    _build_precise_prefix_scorer,
-    precise_prefix_scorer.SPEC.doc,
+PRECISE_PREFIX_SPEC = translated(
+    precise_prefix_scorer.SPEC, PrecisePrefixCacheParams, precise_prefix_settings
 )
 
 

@@ -12,6 +12,7 @@ import pytest
 from epp.config import parse_config
 from epp.server.app import ServerSettings
 from epp.testing.envoy import EnvoyConfig
+from tests.support.configs import FALLBACKS
 
 from .stack import CHAT, eventually, stack
 
@@ -121,21 +122,6 @@ async def test_header_only_request_is_picked_at_once() -> None:
             assert r.status == 200
             assert r.headers.get("x-served-by") in {"pod-0", "pod-1"}
         await st.wait_idle()
-
-
-FALLBACKS = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: max-score-picker
-"""
 
 
 async def test_fallback_endpoints_are_listed_in_order_after_the_primary() -> None:

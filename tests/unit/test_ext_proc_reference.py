@@ -13,25 +13,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.config import parse_config
 from epp.server.ext_proc import RequestStream
+from tests.support.configs import FALLBACKS
 
 from .test_ext_proc_stream import BODY, BUFFERED, DUPLEX, body, destination, director, headers
 
 STREAMED, NONE = 1, 0
 DEST = "x-gateway-destination-endpoint"
-
-FALLBACKS = """
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: max-score-picker
-  parameters: {maxNumOfEndpoints: 3}
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-  - pluginRef: max-score-picker
-"""
 
 
 def error_of(resp: pb.ProcessingResponse) -> dict[str, object]:
