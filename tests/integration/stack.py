@@ -9,15 +9,28 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+import pytest
 
 from epp.config import EppConfig, KvEventsConfig, StaticEndpoint, default_config
 from epp.server.app import EppServer, ServerSettings
 from epp.testing.backend import FakeModelServer, start_backends, stop_backends
-from epp.testing.envoy import EnvoyConfig, EnvoyProcess, free_port
+from epp.testing.envoy import EnvoyConfig, EnvoyProcess, find_envoy, free_port
 from epp.testing.kv_publisher import KvEventPublisher
 from epp.testing.wait import eventually
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+def _have_envoy() -> bool:
+    try:
+        find_envoy()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+ENVOY_MARKS = [pytest.mark.envoy, pytest.mark.skipif(not _have_envoy(), reason="no envoy binary")]
+"""A module's `pytestmark` when all its tests run a real Envoy."""
 
 
 @dataclass

@@ -32,22 +32,14 @@ from epp.testing.envoy import (
     EnvoyConfig,
     EnvoyError,
     EnvoyProcess,
-    find_envoy,
     free_port,
     render_bootstrap,
     validate_bootstrap,
 )
 
+from .stack import ENVOY_MARKS
 
-def _have_envoy() -> bool:
-    try:
-        find_envoy()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-pytestmark = [pytest.mark.envoy, pytest.mark.skipif(not _have_envoy(), reason="no envoy binary")]
+pytestmark = ENVOY_MARKS
 
 DEST = "x-gateway-destination-endpoint"
 HINT_HEADER = "x-test-subset-hint"

@@ -17,21 +17,11 @@ from typing import Any
 import pytest
 
 import epp.testing.envoy as envoy_mod
-from epp.testing.envoy import find_envoy
 from epp.testing.wait import eventually
 
-from .stack import Stack, stack
+from .stack import ENVOY_MARKS, Stack, stack
 
-
-def _have_envoy() -> bool:
-    try:
-        find_envoy()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-pytestmark = [pytest.mark.envoy, pytest.mark.skipif(not _have_envoy(), reason="no envoy binary")]
+pytestmark = ENVOY_MARKS
 
 DEST = "x-gateway-destination-endpoint"
 BIG = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "x" * 300_000}]}).encode()
