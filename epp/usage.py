@@ -5,6 +5,17 @@ SSE: every `data:` line that mentions `"usage"` is decoded (the last non-null on
 body is not parsed (usage is then unknown, which is counted, never fatal). A count above
 `MAX_TOKENS` (a model server's bug, or a hostile one: JSON integers have no bound) makes that
 usage invalid: it is dropped whole (`UsageReader.invalid`), never passed on to the metrics.
+
+Both usage shapes are read: Chat / Completions (`prompt_tokens`, `completion_tokens`,
+`prompt_tokens_details.cached_tokens`; vLLM and SGLang alike) and the Responses API
+(`input_tokens`, `output_tokens`, `input_tokens_details.cached_tokens`), the latter at the top of a
+non-streamed response or in the `response` of a streamed `response.completed` event.
+
+SSE also tells when the first token came (`UsageReader.first_token`): at the first complete `data:`
+line that carries output. Not output: comments (vLLM's `--sse-keep-alive-interval` sends
+`: keep-alive` while a request queues or prefills), the Responses API's `response.created`,
+`response.in_progress` and `response.queued` events (vLLM sends the first two before it schedules
+the request), error events and `[DONE]`.
 """
 
 from __future__ import annotations
@@ -19,6 +30,9 @@ MAX_JSON_BODY = 4 * 1024 * 1024
 MAX_SSE_LINE = 1024 * 1024
 MAX_TOKENS = 2**53
 """The largest token count taken as real (every integer up to it is exact as a float)."""
+PREAMBLE_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
+"""Responses API stream events sent before any output (vLLM: as soon as the request is accepted)."""
+_PREAMBLE_EVENT_NAMES = frozenset(e.encode() for e in PREAMBLE_EVENTS)
 
 
 class InvalidUsage(ValueError):
@@ -44,20 +58,48 @@ def _as_int(v: Any) -> int:
 
 
 def usage_from(doc: Any) -> Usage | None:
-    """The `usage` of a decoded response (None without one). Raises InvalidUsage."""
+    """The `usage` of a decoded response, chunk or Responses API event (None without one). Raises
+    InvalidUsage."""
     if not isinstance(doc, dict):
         return None
     u = doc.get("usage")
+    if u is None:
+        response = doc.get("response")  # a Responses API event: `response.completed` carries the usage
+        if isinstance(response, dict):
+            u = response.get("usage")
     if not isinstance(u, dict):
         return None
-    details = u.get("prompt_tokens_details")
+    if "prompt_tokens" not in u and "input_tokens" in u:  # the Responses API's names
+        prompt, completion, details = (
+            u.get("input_tokens"),
+            u.get("output_tokens"),
+            u.get("input_tokens_details"),
+        )
+    else:
+        prompt, completion, details = (
+            u.get("prompt_tokens"),
+            u.get("completion_tokens"),
+            u.get("prompt_tokens_details"),
+        )
     cached = _as_int(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    return Usage(
-        _as_int(u.get("prompt_tokens")),
-        _as_int(u.get("completion_tokens")),
-        _as_int(u.get("total_tokens")),
-        cached,
-    )
+    return Usage(_as_int(prompt), _as_int(completion), _as_int(u.get("total_tokens")), cached)
+
+
+def _is_output(payload: bytes, event: bytes) -> bool:
+    """Whether an SSE event's data (`event`: its `event:` field) carries output: not a Responses API
+    preamble event, an error or `[DONE]`. Data that is not JSON counts as output."""
+    if event in _PREAMBLE_EVENT_NAMES or payload == b"[DONE]":
+        return False
+    try:
+        doc = _decoder.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return True
+    if not isinstance(doc, dict):
+        return True
+    kind = doc.get("type")
+    if isinstance(kind, str) and (kind in PREAMBLE_EVENTS or kind == "error"):
+        return False
+    return not ("error" in doc and "choices" not in doc)  # vLLM / SGLang mid-stream error bodies
 
 
 class UsageReader:
@@ -65,8 +107,10 @@ class UsageReader:
         self.sse = sse
         self.usage: Usage | None = None
         self.invalid = False  # the (last) usage seen had an impossible count: ignored
+        self.first_token = False  # SSE: a complete `data:` line with output has been seen
         self._buf = bytearray()
         self._overflow = False
+        self._event = b""  # SSE: the current event's `event:` field
 
     def feed(self, chunk: bytes) -> None:
         if self._overflow or not chunk:
@@ -89,9 +133,18 @@ class UsageReader:
             self._line(bytes(line))
 
     def _line(self, line: bytes) -> None:
-        if not line.startswith(b"data:") or b'"usage"' not in line:
-            return
+        if not line.startswith(b"data:"):
+            line = line.rstrip(b"\r")
+            if not line:
+                self._event = b""  # an event ends at a blank line
+            elif line.startswith(b"event:"):
+                self._event = line[6:].strip()
+            return  # also comments (`: keep-alive`), `id:` and `retry:`
         payload = line[5:].strip()
+        if not self.first_token and _is_output(payload, self._event):
+            self.first_token = True
+        if b'"usage"' not in payload:
+            return
         try:
             found = usage_from(_decoder.decode(payload))
         except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deeply

@@ -284,7 +284,9 @@ class RequestStream:
             return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
         try:
             h = header_map(headers)
-            self.usage = UsageReader("text/event-stream" in h.get("content-type", ""))
+            # A compressed body (content-encoding) is not read: no usage; its first byte is its first token.
+            if h.get("content-encoding", "identity").strip().lower() in ("", "identity"):
+                self.usage = UsageReader("text/event-stream" in h.get("content-type", ""))
             try:
                 status = int(h.get(":status", "200"))
             except ValueError:
@@ -315,11 +317,21 @@ class RequestStream:
     def _response_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
         routed = self.routed
         if routed is not None:
+            usage = self.usage
             try:
-                if routed.first_byte_at is None:
+                if usage is not None:
+                    usage.feed(body.body)
+            except Exception:
+                self.director.bookkeeping_failed("the response body")
+            try:
+                # A successful SSE stream's first token is its first event with output
+                # (`UsageReader.first_token`), not a keep-alive comment or a Responses API
+                # `response.created`; any other response's is its first byte.
+                status = routed.status
+                tokens = usage is not None and usage.sse and status is not None and 200 <= status < 300
+                first = not tokens or (usage is not None and usage.first_token)
+                if routed.first_byte_at is None and first:
                     self.director.on_first_byte(routed)
-                if self.usage is not None:
-                    self.usage.feed(body.body)
             except Exception:
                 self.director.bookkeeping_failed("the response body")
             if body.end_of_stream:
