@@ -95,10 +95,14 @@ def kick_place(tkeys: Any, ttags: Any, count: Any, nb: int, key: Any, tag: Any) 
     occupant's other bucket, the first (in bucket order) whose other bucket has room: one cuckoo step,
     which is all an item needs at the loads the tables run at. Returns (the item's slot, the occupant's
     old slot, its new slot: the caller moves its columns), or (-1, -1, -1), nothing changed, when no
-    occupant can move."""  # pragma: no cover - compiled
+    occupant can move. When a bucket has room after all (the table grew since the item was set aside), the
+    item simply goes there: (its slot, -1, -1)."""  # pragma: no cover - compiled
     b1, b2 = _pair(key, tag, nb)
+    s = place(tkeys, ttags, count, b1, b2, key, tag)
+    if s >= 0:
+        return s, -1, -1
     for b in (b1, b2):
-        for s in range(b * BUCKET, b * BUCKET + BUCKET):
+        for s in range(b * BUCKET, b * BUCKET + np.int64(count[b])):
             o1, o2 = _pair(tkeys[s], ttags[s], nb)
             alt = o2 if o1 == b else o1
             c = np.int64(count[alt])

@@ -254,16 +254,19 @@ class HashTable:
         (`cuckoo.kick_place`); `_insert`'s vectorised relocation costs ~40 numpy calls."""
         moved = False
         if len(items) <= _KICK_ITEMS:
-            rest = []
+            rest: list[int] = []
             for i in items.tolist():
                 at = self.find_one(int(keys[i]), int(tags[i]))  # a copy of an item placed just before
-                if at < 0 and self.room() > 0:
+                # Once one goes to `_insert`, so do all after it: the first copy of an item is the one
+                # placed (and `new`), and `_insert` places its items in order.
+                if at < 0 and not rest and self.room() > 0:
                     at, src, dest = cuckoo.kick_place(
                         self.keys, self.tags, self.count, self.nb, keys[i], tags[i]
                     )
                     if at >= 0:
                         for name, col in self.cols.items():
-                            col[dest] = col[src]
+                            if src >= 0:  # (an occupant moved out of the item's slot)
+                                col[dest] = col[src]
                             col[at] = values[name][i] if name in values else self.specs[name][1]
                         self.size += 1
                         new[i] = True
