@@ -5,7 +5,8 @@ The router side is the EPP's own code, built and fed the way the server does it:
 `index` section, as `epp serve` sizes it), a `Datastore` of endpoints whose
 metrics are "scraped" from the engines every `scrape_interval` seconds
 (`Engine.metrics` = what the scraper reads from vLLM's `/metrics`), the `BlockIndex` fed by
-`KvIngest.on_live` with each engine's real KV-event payloads after `event_delay` seconds (a
+`KvIngest.on_live` with each engine's KV-event batches (handed decoded: the runs the production decoder
+gives for the payloads a real vLLM would send, `simulator/events.py`) after `event_delay` seconds (a
 fraction `event_loss` of them dropped, as a lossy PUB/SUB would), and the request accounting of
 `epp.accounting` (prefill backlog until the first token, calibration, release at the end).
 The router never reads an engine's internals — except for the `oracle` policy, labelled as
@@ -37,6 +38,7 @@ from epp.config import EppConfig, build_scheduler
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore, Ticket
+from epp.kvindex.event_scan import ScannedBatch
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
@@ -170,7 +172,7 @@ class Cluster:
                 k,
                 cluster.engine,
                 cluster.latency,
-                on_events=self._publisher(pod),
+                on_batches=self._publisher(pod),
                 on_first_token=self._first_token,
                 on_finish=self._finish,
             )
@@ -178,7 +180,7 @@ class Cluster:
         self.modes: Counter[str] = Counter()  # picks by mode (cache-aware, degraded, load-only)
         self._pending = -1  # requests of the trace not yet finished or rejected (-1: not started)
         self._arrivals_left = -1
-        self._inbox: deque[tuple[tuple[float, int, int], str, int, bytes]] = deque()  # see _receive
+        self._inbox: deque[tuple[tuple[float, int, int], str, int, ScannedBatch]] = deque()  # see _receive
         self._scrape()
 
     @property
@@ -218,8 +220,8 @@ class Cluster:
             return False
         return all(e.idle and not e.waiting and not e.running for e in self.engines.values())
 
-    def _publisher(self, pod: str) -> Callable[[int, bytes, float], None]:
-        def publish(seq: int, payload: bytes, at: float) -> None:
+    def _publisher(self, pod: str) -> Callable[[int, ScannedBatch, float], None]:
+        def publish(seq: int, payload: ScannedBatch, at: float) -> None:
             if not self.oracle:
                 if self.cfg.event_loss and self._rng.random() < self.cfg.event_loss:
                     return
@@ -241,7 +243,7 @@ class Cluster:
                 key, pod, seq, payload = inbox.popleft()
                 self._deliver(pod, seq, payload, key[0])
 
-    def _deliver(self, pod: str, seq: int, payload: bytes, now: float) -> None:
+    def _deliver(self, pod: str, seq: int, payload: ScannedBatch, now: float) -> None:
         """As the server's subscriber does: received at `now`; the lag is measured against the batch's ts."""
         self.ingest.on_live(pod, 0, seq, payload, now, self.model, now)
 

@@ -50,7 +50,7 @@ from epp.types import MetricsSnapshot
 from simulator.cpu_loads import Chunks, LoadQueue
 from simulator.decode_batch import DecodeBatch
 from simulator.engine_config import EngineConfig
-from simulator.events import EventSink, OnEvents
+from simulator.events import EventSink, OnBatches, OnEvents
 from simulator.kernel import Handle, Kernel
 from simulator.kvcache import DONE, LOADED, LOADING, PREFILL, WAITING, KvCacheManager, ReqState
 from simulator.latency import DEFAULT_PROFILE, LatencyProfile, latency_profile
@@ -83,8 +83,10 @@ class Engine:
         on_first_token: RequestCallback | None = None,
         on_finish: RequestCallback | None = None,
         spans: bool = True,
+        on_batches: OnBatches | None = None,
     ) -> None:
-        """`spans=False` runs every step as its own kernel event (the same results, slower; a check)."""
+        """`spans=False` runs every step as its own kernel event (the same results, slower; a check).
+        `on_batches`, instead of `on_events`: the KV event batches decoded, not as msgpack (`events.py`)."""
         self.kernel = kernel
         self._spans = spans
         self.config = cfg = config or EngineConfig()
@@ -92,7 +94,11 @@ class Engine:
         if cfg.cpu_blocks and self.latency.cpu_bandwidth_bytes_per_s is None:
             raise ValueError(f"a CPU tier needs a reload bandwidth; profile {self.latency.name!r} has none")
         self.block_size = cfg.block_size
-        self.sink = EventSink(on_events, cfg.block_size, cfg.dp_rank) if on_events is not None else None
+        self.sink = (
+            EventSink(on_events, cfg.block_size, cfg.dp_rank, on_batches=on_batches)
+            if on_events is not None or on_batches is not None
+            else None
+        )
         self.kv = KvCacheManager(cfg.num_gpu_blocks, cfg.block_size, cfg.cpu_blocks, self.sink)
         self.pool = self.kv.pool
         self.cpu = self.kv.cpu

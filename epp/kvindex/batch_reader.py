@@ -12,6 +12,10 @@ placeholder ids whatever the image, prompt embeddings' ids are zeros. Their toke
 token ids 0..2^31-1), so the index keeps them, and their descendants, under keys of their own: the
 same image gives the same keys on every pod, another image other keys, and no text or token-id prompt
 gets credit for them (the EPP does not key multimodal prompts).
+
+`Message` is what `KvIngest` takes: a payload's bytes, or a batch already in this form, which a producer
+that has the events in hand (the simulator's engines) builds with `BatchBuilder` instead of encoding
+msgpack only for it to be decoded again.
 """
 
 from __future__ import annotations
@@ -20,16 +24,22 @@ import hashlib
 from collections.abc import Sequence
 
 from epp.kvindex.event_scan import CLEARED, REMOVED, STORED, Run, ScannedBatch, scan_batch
-from epp.kvindex.events import BlockRemoved, BlockStored, EventBatch, decode_batch
+from epp.kvindex.events import BlockRemoved, BlockStored, EventBatch, decode_batch, normalize_tier
+
+Message = bytes | ScannedBatch
+"""A KV-event message as `KvIngest` takes it: the payload's bytes, or the batch already decoded."""
 
 SCAN_FROM = 512
 """Payloads of at least this many bytes go to the compiled scan first; below, msgspec is faster (the
 scan's fixed cost, ~5 us, against ~3.5 us for msgspec on a one-block BlockStored)."""
 
 
-def decode(payload: bytes) -> ScannedBatch:
+def decode(payload: Message) -> ScannedBatch:
     """A message's batch in the form `_apply` applies: read by the compiled scan (`event_scan.py`), or by
-    `decode_batch` when the payload is short or the scan does not take it. Raises DecodeError."""
+    `decode_batch` when the payload is short or the scan does not take it; a batch given decoded, as it is.
+    Raises DecodeError."""
+    if isinstance(payload, ScannedBatch):
+        return payload
     scanned = scan_batch(payload) if len(payload) >= SCAN_FROM else None
     return scanned if scanned is not None else runs_of(decode_batch(payload))
 
@@ -93,3 +103,86 @@ def opaque_tokens(token_ids: Sequence[int], extra_keys: Sequence[object], block_
         start = j * block_size
         out[start : start + block_size] = [opaque] * len(out[start : start + block_size])
     return token_ids if out is None else out
+
+
+def held_size(message: Message) -> int:
+    """What a message held during a replay counts against its byte bound: its payload's size, or for a
+    decoded batch an estimate (64 bytes an event, about what vLLM's one-block events take)."""
+    return len(message) if not isinstance(message, ScannedBatch) else 64 * max(1, message.events)
+
+
+class BatchBuilder:
+    """One batch's events in the form `_apply` applies, added as an engine emits them: what `decode` would
+    give for the same events encoded (consecutive BlockStored of one tier, adapter and salt in one run,
+    consecutive BlockRemoved of one tier in one; hashes as unsigned 64-bit ints, token ids as given).
+    Only for events without multimodal extra keys and of full-attention KV groups."""
+
+    __slots__ = ("_events", "_last", "_runs")
+
+    def __init__(self) -> None:
+        self._runs: list[list[object] | tuple[int]] = []
+        self._last: list[object] | None = None  # the run the next event may join
+        self._events = 0
+
+    def __len__(self) -> int:
+        return self._events
+
+    def stored(
+        self,
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        medium: str | None,
+        lora_name: str | None = None,
+        salt: str | None = None,
+    ) -> None:
+        """A BlockStored. `salt`: the tenant salt of the chain's first block (vLLM's cache_salt), given with
+        `parent` None only (on other blocks it keys nothing, as `salt_of` reads them)."""
+        if not hashes or len(token_ids) > len(hashes) * block_size:
+            raise ValueError("BatchBuilder.stored: the token ids do not fit the blocks")
+        tier = normalize_tier(medium)
+        salt = salt if parent is None else None
+        run = self._last
+        if run is not None and run[0] == STORED and run[1] == tier and run[2] == lora_name and run[3] == salt:
+            run[4].extend(hashes)  # type: ignore[attr-defined]
+            run[5].append(parent)  # type: ignore[attr-defined]
+            run[6].append(len(hashes))  # type: ignore[attr-defined]
+            run[7].extend(token_ids)  # type: ignore[attr-defined]
+            run[8].append(len(token_ids))  # type: ignore[attr-defined]
+            run[9].append(block_size)  # type: ignore[attr-defined]
+        else:
+            run = [
+                STORED, tier, lora_name, salt, list(hashes), [parent], [len(hashes)], list(token_ids),
+                [len(token_ids)], [block_size], None,
+            ]  # fmt: skip
+            self._runs.append(run)
+            self._last = run
+        self._events += 1
+
+    def removed(self, hashes: Sequence[int], medium: str | None) -> None:
+        """One BlockRemoved per hash, in order."""
+        if not hashes:
+            return
+        tier = normalize_tier(medium)
+        run = self._last
+        if run is not None and run[0] == REMOVED and run[1] == tier:
+            run[2].extend(hashes)  # type: ignore[attr-defined]
+            run[4] += len(hashes)  # type: ignore[operator]
+        else:
+            run = [REMOVED, tier, list(hashes), None, len(hashes)]
+            self._runs.append(run)
+            self._last = run
+        self._events += len(hashes)
+
+    def cleared(self) -> None:
+        self._runs.append((CLEARED,))
+        self._last = None
+        self._events += 1
+
+    def take(self, ts: float, dp_rank: int | None = None) -> ScannedBatch:
+        """The batch so far, stamped `ts`; the builder starts empty again."""
+        runs: list[Run] = [tuple(r) for r in self._runs]  # type: ignore[misc]
+        batch = ScannedBatch(ts, dp_rank, runs, self._events, 0)
+        self._runs, self._last, self._events = [], None, 0
+        return batch

@@ -1,7 +1,8 @@
 """Apply engine KV-event messages to the index, in order, per publisher. Pure.
 
 A publisher is one engine process and data-parallel rank (`(pod, rank)`). The edge hands
-every live message to `on_live`, which decodes it, checks its sequence number and applies
+every live message to `on_live` (its payload's bytes; the simulator hands its engines' batches already
+decoded, `batch_reader.BatchBuilder`), which decodes it, checks its sequence number and applies
 it, or asks the edge to replay first (`NeedReplay`) and holds the live message until
 `replay_finished`. Replayed messages go through `on_replayed`. The edge also reports a
 publisher's connection dropping (`on_disconnected`) and coming back (`on_connected`): whoever
@@ -28,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from epp.kvindex.batch_reader import decode
+from epp.kvindex.batch_reader import Message, decode
 from epp.kvindex.event_scan import REMOVED, STORED, ScannedBatch
 from epp.kvindex.events import KNOWN_TIERS, DecodeError
 from epp.kvindex.freshness import FreshnessTracker
@@ -139,7 +140,7 @@ class KvIngest:
         pod: str,
         rank: int,
         seq: int,
-        payload: bytes,
+        payload: Message,
         now: float,
         topic_model: str | None = None,
         wall_now: float | None = None,
@@ -221,7 +222,7 @@ class KvIngest:
         pub: PublisherState,
         from_seq: int,
         seq: int,
-        payload: bytes,
+        payload: Message,
         topic_model: str | None,
         now: float,
     ) -> NeedReplay:
@@ -270,7 +271,7 @@ class KvIngest:
 
     # -- replay ----------------------------------------------------------------------------
     def on_replayed(
-        self, pod: str, rank: int, seq: int, payload: bytes, now: float, topic_model: str | None = None
+        self, pod: str, rank: int, seq: int, payload: Message, now: float, topic_model: str | None = None
     ) -> Outcome:
         pub = self._publisher(pod, rank)
         if pub.seq.already_applied(seq):

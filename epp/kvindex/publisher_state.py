@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from operator import itemgetter
 
+from epp.kvindex.batch_reader import Message, held_size
 from epp.kvindex.sequence import SequenceTracker
 
 
@@ -29,8 +30,9 @@ class PublisherState:
     lost_contact: bool = False  # the connection dropped: whoever answers next may be a new engine process
     prev_last: int | None = None  # the last seq before contact was lost, until the next message is seen
     # Live messages (and replayed ones past the first of them) waiting for the replay to end: (seq, payload,
-    # topic model). Payloads, not decoded batches: a decoded token id costs about ten times its wire size.
-    held: deque[tuple[int, bytes, str | None]] = field(default_factory=deque)
+    # topic model). Payloads, not decoded batches: a decoded token id costs about ten times its wire size (a
+    # batch given decoded, by the simulator, is held as it is).
+    held: deque[tuple[int, Message, str | None]] = field(default_factory=deque)
     held_bytes: int = 0
 
     def begin_replay(self, from_seq: int) -> None:
@@ -42,7 +44,7 @@ class PublisherState:
         self.chained = 0
         self.counted_hole = None
 
-    def end_replay(self) -> list[tuple[int, bytes, str | None]]:
+    def end_replay(self) -> list[tuple[int, Message, str | None]]:
         """The replay (chain) is over: its state goes; returns the messages that were held, in seq order."""
         held = list(self.held)
         self.held.clear()
@@ -55,7 +57,7 @@ class PublisherState:
         return held
 
     def hold(
-        self, seq: int, payload: bytes, topic_model: str | None, max_held: int, max_held_bytes: int
+        self, seq: int, payload: Message, topic_model: str | None, max_held: int, max_held_bytes: int
     ) -> bool:
         """Keep a message for the end of the replay, in seq order (a seq held already is kept once);
         False (not kept) past `max_held` messages or `max_held_bytes`, except the first (the replay
@@ -66,13 +68,13 @@ class PublisherState:
             at = bisect_left(held, seq, key=itemgetter(0))
             if held[at][0] == seq:
                 return True
-        if held and (len(held) >= max_held or self.held_bytes + len(payload) > max_held_bytes):
+        if held and (len(held) >= max_held or self.held_bytes + held_size(payload) > max_held_bytes):
             return False
         if at == len(held):
             held.append((seq, payload, topic_model))
         else:
             held.insert(at, (seq, payload, topic_model))
-        self.held_bytes += len(payload)
+        self.held_bytes += held_size(payload)
         return True
 
     def held_hole(self) -> int | None:
