@@ -26,7 +26,7 @@ from epp.config import (
 from epp.config_sections import ConfigError
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
-from epp.discovery.settings import DiscoverySettings, resolve_kubeconfig, resolve_namespace
+from epp.discovery.settings import GROUP_V1, DiscoverySettings, resolve_kubeconfig, resolve_namespace
 from epp.durations import parse_duration
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
         "also the name label of the pool metrics (default: default)",
     )
     s.add_argument(
+        "--pool-group",
+        help=f"API group of the InferencePool: {GROUP_V1} (v1, the default) or "
+        "inference.networking.x-k8s.io (the older v1alpha2)",
+    )
+    s.add_argument(
         "--pool-namespace",
         help="namespace of the InferencePool (default: $NAMESPACE, $POD_NAMESPACE, else default)",
     )
@@ -262,7 +267,11 @@ def _discovery(
 ) -> DiscoverySettings | None:
     """Discovery settings when `--pool-name` is given; ConfigError when it clashes with static endpoints."""
     if args.pool_name is None:
-        for flag, value in (("--pool-namespace", args.pool_namespace), ("--kubeconfig", args.kubeconfig)):
+        for flag, value in (
+            ("--pool-group", args.pool_group),
+            ("--pool-namespace", args.pool_namespace),
+            ("--kubeconfig", args.kubeconfig),
+        ):
             if value is not None:
                 raise ConfigError("flags", "", flag, "needs --pool-name (Kubernetes discovery)")
         return None
@@ -277,11 +286,13 @@ def _discovery(
     settings = DiscoverySettings(
         pool_name=args.pool_name,
         namespace=resolve_namespace(args.pool_namespace, environ),
+        pool_group=GROUP_V1 if args.pool_group is None else args.pool_group,
         kubeconfig=resolve_kubeconfig(args.kubeconfig, environ),
     )
     problem = settings.check()
     if problem is not None:
-        raise ConfigError("flags", "", "--pool-name", problem)
+        flag = "--pool-group" if problem.startswith("--pool-group") else "--pool-name"
+        raise ConfigError("flags", "", flag, problem)
     return settings
 
 

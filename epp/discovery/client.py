@@ -18,7 +18,7 @@ from kubernetes_asyncio.client import ApiClient, Configuration, CoreV1Api, Custo
 from kubernetes_asyncio.config import load_incluster_config, load_kube_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
-from epp.discovery.pool import GROUP, PLURAL, VERSION
+from epp.discovery.pool import PLURAL
 from epp.discovery.settings import DiscoverySettings
 
 EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"})
@@ -68,11 +68,13 @@ async def connect(settings: DiscoverySettings) -> ApiClient:
 
 
 class KubeApi:
-    """Lists and watches of one namespace's Pods and InferencePools."""
+    """Lists and watches of one namespace's Pods and InferencePools (of `settings.pool_group`)."""
 
     def __init__(self, client: ApiClient, settings: DiscoverySettings) -> None:
         self.client = client
         self.namespace = settings.namespace
+        self.pool_group = settings.pool_group
+        self.pool_version = settings.pool_version
         self.core = CoreV1Api(client)
         self.custom = CustomObjectsApi(client)
         self._list_timeout = aiohttp.ClientTimeout(total=settings.request_timeout)
@@ -100,14 +102,24 @@ class KubeApi:
     async def list_pool(self, name: str) -> tuple[list[Any], str]:
         return await self._list(
             lambda **kw: self.custom.list_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, field_selector=f"metadata.name={name}", **kw
+                self.pool_group,
+                self.pool_version,
+                self.namespace,
+                PLURAL,
+                field_selector=f"metadata.name={name}",
+                **kw,
             )
         )
 
     def watch_pool(self, name: str, resource_version: str) -> AsyncGenerator[Event, None]:
         return self._watch(
             lambda **kw: self.custom.list_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, field_selector=f"metadata.name={name}", **kw
+                self.pool_group,
+                self.pool_version,
+                self.namespace,
+                PLURAL,
+                field_selector=f"metadata.name={name}",
+                **kw,
             ),
             resource_version,
         )

@@ -1,12 +1,16 @@
 """An `InferencePool` plus the Pods of its namespace -> the endpoint set (pure).
 
-Objects are the API server's JSON as plain mappings (`inference.networking.k8s.io/v1`
-`InferencePool`, core `v1` `Pod`). A pool with `metadata.deletionTimestamp` is being deleted and
-counts as absent. A pod is a candidate when it matches the pool's `spec.selector.matchLabels`, has
-the `Ready` condition `"True"`, has a `status.podIP` and no `metadata.deletionTimestamp`; each
-candidate gives one endpoint `<podIP>:<port>` per `spec.targetPorts[].number` (IPv6 as
-`[addr]:port`), except that a pod annotated with its active ports (`ACTIVE_PORTS_ANNOTATIONS`, as
-the reference EPPs read them) gives only those of the target ports.
+Objects are the API server's JSON as plain mappings (core `v1` `Pod`, and the `InferencePool` of
+`inference.networking.k8s.io/v1` or of the older `inference.networking.x-k8s.io/v1alpha2`). Both
+reduce to one `PoolSpec` (a label map every label of which must match, and target ports), as the
+reference EPP reduces them (`InferencePoolToEndPointsPool` / `AlphaInferencePoolToEndPointsPool`):
+v1 gives `spec.selector.matchLabels` and `spec.targetPorts[].number`; v1alpha2 gives `spec.selector`
+(a plain label map) and its one `spec.targetPortNumber`. A pool with `metadata.deletionTimestamp` is
+being deleted and counts as absent. A pod is a candidate when it matches the selector, has the
+`Ready` condition `"True"`, has a `status.podIP` and no `metadata.deletionTimestamp`; each candidate
+gives one endpoint `<podIP>:<port>` per target port (IPv6 as `[addr]:port`), except that a pod
+annotated with its active ports (`ACTIVE_PORTS_ANNOTATIONS`, as the reference EPPs read them) gives
+only those of the target ports.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from epp.config import parse_endpoint_address
+from epp.discovery.settings import GROUP_V1, GROUP_V1ALPHA2, POOL_VERSIONS
 
-GROUP = "inference.networking.k8s.io"
-VERSION = "v1"
+GROUP = GROUP_V1  # the default API group (`--pool-group`)
+VERSION = POOL_VERSIONS[GROUP_V1]
 PLURAL = "inferencepools"
 MAX_TARGET_PORTS = 8
 # The ports a pod serves, when not all the pool's target ports: comma-separated numbers. llm-d's key
@@ -47,8 +52,8 @@ class PoolSpec:
         return ",".join(f"{k}={v}" for k, v in self.selector)
 
 
-def parse_pool(obj: Any) -> PoolSpec:
-    """Validate an InferencePool object; PoolError names the first bad field."""
+def parse_pool(obj: Any, group: str = GROUP_V1) -> PoolSpec:
+    """Validate an InferencePool object of `group`'s version; PoolError names the first bad field."""
     if not isinstance(obj, Mapping):
         raise PoolError(f"InferencePool: expected an object, got {type(obj).__name__}")
     meta = obj.get("metadata")
@@ -59,15 +64,37 @@ def parse_pool(obj: Any) -> PoolSpec:
     spec = obj.get("spec")
     if not isinstance(spec, Mapping):
         raise PoolError(f"{where}: spec is missing")
-    selector = spec.get("selector")
-    match = selector.get("matchLabels") if isinstance(selector, Mapping) else None
+    if group == GROUP_V1ALPHA2:
+        selector, ports = _alpha_selector(spec, where), _alpha_ports(spec, where)
+    elif group == GROUP_V1:
+        selector, ports = _v1_selector(spec, where), _v1_ports(spec, where)
+    else:
+        raise PoolError(f"{where}: unknown InferencePool API group {group!r}")
+    return PoolSpec(name, selector, ports)
+
+
+def _labels(match: Any, field: str, where: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(match, Mapping) or not match:
-        raise PoolError(f"{where}: spec.selector.matchLabels is missing or empty")
+        raise PoolError(f"{where}: {field} is missing or empty")
     pairs: list[tuple[str, str]] = []
     for key, value in match.items():
         if not isinstance(key, str) or not key or not isinstance(value, str):
-            raise PoolError(f"{where}: spec.selector.matchLabels[{key!r}] must map a label to a string")
+            raise PoolError(f"{where}: {field}[{key!r}] must map a label to a string")
         pairs.append((key, value))
+    return tuple(sorted(pairs))
+
+
+def _port(number: object) -> TypeGuard[int]:
+    return not isinstance(number, bool) and isinstance(number, int) and 0 < number < 65536
+
+
+def _v1_selector(spec: Mapping[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    selector = spec.get("selector")
+    match = selector.get("matchLabels") if isinstance(selector, Mapping) else None
+    return _labels(match, "spec.selector.matchLabels", where)
+
+
+def _v1_ports(spec: Mapping[str, Any], where: str) -> tuple[int, ...]:
     ports_raw = spec.get("targetPorts")
     if not isinstance(ports_raw, list) or not ports_raw:
         raise PoolError(f"{where}: spec.targetPorts is missing or empty (1 to {MAX_TARGET_PORTS} ports)")
@@ -76,11 +103,24 @@ def parse_pool(obj: Any) -> PoolSpec:
     ports: list[int] = []
     for i, port in enumerate(ports_raw):
         number = port.get("number") if isinstance(port, Mapping) else None
-        if isinstance(number, bool) or not isinstance(number, int) or not 0 < number < 65536:
+        if not _port(number):
             raise PoolError(f"{where}: spec.targetPorts[{i}].number must be a port number 1-65535")
         if number not in ports:
             ports.append(number)
-    return PoolSpec(name, tuple(sorted(pairs)), tuple(ports))
+    return tuple(ports)
+
+
+def _alpha_selector(spec: Mapping[str, Any], where: str) -> tuple[tuple[str, str], ...]:
+    """v1alpha2: `spec.selector` is the label map itself (no `matchLabels`)."""
+    return _labels(spec.get("selector"), "spec.selector", where)
+
+
+def _alpha_ports(spec: Mapping[str, Any], where: str) -> tuple[int, ...]:
+    """v1alpha2: one port, `spec.targetPortNumber`."""
+    number = spec.get("targetPortNumber")
+    if not _port(number):
+        raise PoolError(f"{where}: spec.targetPortNumber must be a port number 1-65535")
+    return (number,)
 
 
 def being_deleted(obj: Any) -> bool:

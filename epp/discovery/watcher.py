@@ -1,7 +1,9 @@
 """Kubernetes discovery (the asyncio edge): list and watch the `InferencePool` and the Pods its
 selector matches, and keep the datastore's endpoint set equal to what they describe.
 
-Two tasks, informer-style. The pool task lists the pool (`fieldSelector=metadata.name=<pool>`),
+Two tasks, informer-style. The pool task lists the pool (`fieldSelector=metadata.name=<pool>`, in
+the API group `--pool-group` names: `inference.networking.k8s.io/v1` or the older
+`inference.networking.x-k8s.io/v1alpha2`),
 then watches from the list's `resourceVersion`; the pod task, started for the pool's selector and
 restarted when the selector changes, lists the matching Pods and watches them the same way. A pool
 marked for deletion (`metadata.deletionTimestamp`, held by a finalizer) counts as deleted. Every
@@ -13,6 +15,12 @@ errors retry with exponential backoff (bounded), keeping the last known endpoint
 After a change the endpoint set (`epp.discovery.pool.pool_endpoints`) goes to
 `Datastore.set_endpoints`; the scraper and the KV-event subscriber follow the datastore, and
 `on_change` lets them follow at once instead of at their next reconcile.
+
+`ready` is whether the pool exists and its pods have been listed; it goes false while the pool is
+deleted (or marked for deletion, or its resource is not served) and true again once it exists and its
+pods are listed, as the reference EPP's health answers follow its datastore's pool
+(`cmd/epp/runner/health.go`); `wait_ready_change` lets the server's health service follow it.
+API-server outages do not change it (the last known state stays in force).
 """
 
 from __future__ import annotations
@@ -29,8 +37,6 @@ import aiohttp
 from epp.datastore import Datastore
 from epp.discovery.client import ApiError, Gone, KubeApi, connect, resource_version
 from epp.discovery.pool import (
-    GROUP,
-    VERSION,
     PoolError,
     PoolSpec,
     being_deleted,
@@ -111,6 +117,10 @@ class PoolWatcher:
         self.pods_rv: str | None = None
         self.endpoints: list[str] = []
         self.synced = False  # the pool was found and its pods listed at least once
+        self._pods_listed = False  # the current pool's pods have been listed (reset when it goes)
+        self._was_ready = False
+        self.readiness_lost = 0  # how often `ready` went false after having been true
+        self._ready_changed = asyncio.Event()
         self.lists: Counter[str] = Counter()
         self.events: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[tuple[str, str]] = Counter()
@@ -144,6 +154,18 @@ class PoolWatcher:
 
     async def wait_synced(self) -> None:
         await self._synced.wait()
+
+    @property
+    def ready(self) -> bool:
+        """The pool exists (not deleted, not being deleted) and its pods have been listed."""
+        return self.pool is not None and self._pods_listed
+
+    async def wait_ready_change(self, current: bool) -> bool:
+        """Wait until `ready` is no longer `current`; return the new value."""
+        while self.ready == current:
+            self._ready_changed.clear()
+            await self._ready_changed.wait()
+        return self.ready
 
     # -- the pool ---------------------------------------------------------------------------
     async def _pool_loop(self) -> None:
@@ -188,7 +210,7 @@ class PoolWatcher:
             return
         self._missing_logged = False
         try:
-            spec = parse_pool(obj)
+            spec = parse_pool(obj, self.settings.pool_group)
         except PoolError as err:
             self._count_error(POOL, "invalid_object")
             log.error(
@@ -217,6 +239,7 @@ class PoolWatcher:
             log.warning("InferencePool %s %s: no endpoints until it exists", self.where, why)
         self._missing_logged = True
         self.pool = None
+        self._pods_listed = False
         self._retire_pods()
         self.pods.clear()
         self.pods_rv = None
@@ -256,6 +279,7 @@ class PoolWatcher:
                     else:
                         pods[name] = obj
                 self.pods, self.pods_rv = pods, rv
+                self._pods_listed = self.pool is not None
                 if not self.synced and self.pool is not None:
                     self.synced = True
                     self._synced.set()
@@ -290,7 +314,8 @@ class PoolWatcher:
 
     # -- shared -----------------------------------------------------------------------------
     def _publish(self, force_report: bool = False) -> None:
-        """Hand the endpoint set to the datastore when it changed."""
+        """Hand the endpoint set to the datastore when it changed (and tell readiness when it changed)."""
+        self._note_readiness()
         endpoints = pool_endpoints(self.pool, self.pods.values()) if self.pool is not None else []
         if endpoints == self.endpoints and self._published:
             if force_report and self.observer is not None:
@@ -314,6 +339,18 @@ class PoolWatcher:
                 self.on_change()
             except Exception:
                 log.exception("discovery: endpoint-set listener failed")
+
+    def _note_readiness(self) -> None:
+        ready = self.ready
+        if ready == self._was_ready:
+            return
+        self._was_ready = ready
+        self._ready_changed.set()
+        if not ready:  # only after having been ready: it starts not ready
+            log.warning("InferencePool %s is gone: not ready until it exists again", self.where)
+        elif self.readiness_lost:
+            log.info("InferencePool %s exists again and its pods are listed: ready", self.where)
+        self.readiness_lost += not ready
 
     def _listed(self, resource: str, backoff: _Backoff) -> None:
         backoff.reset()
@@ -343,10 +380,11 @@ class PoolWatcher:
                 return  # list again at once; twice in a row without an event backs off
         elif resource == POOL and kind == "not_found":
             log.error(
-                "InferencePool %s: the API server has no inferencepools.%s/%s (is the CRD installed?): %s",
+                "InferencePool %s: the API server has no inferencepools.%s/%s (is the CRD installed? "
+                "--pool-group picks the API group): %s",
                 self.where,
-                GROUP,
-                VERSION,
+                self.settings.pool_group,
+                self.settings.pool_version,
                 err,
             )
             self._pool_missing("unavailable", count=False)

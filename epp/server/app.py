@@ -48,6 +48,7 @@ from epp.tenancy import TenancyConfig, TenantSalter
 log = logging.getLogger("epp.server")
 
 HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
+READINESS_SERVICES = ("", "readiness", SERVICE_NAME)  # follow the pool (with discovery); liveness does not
 _GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -217,8 +218,9 @@ class EppServer:
         return {m for m in map(self._model_of, self.datastore.ids()) if m}
 
     def is_ready(self) -> bool:
-        """Serving, the pool listed (with discovery) and its endpoints' first scrape attempted."""
-        return self._ready and (self.discovery is None or self.discovery.synced)
+        """Serving, the pool present and its pods listed (with discovery), and the endpoints' first
+        scrape attempted."""
+        return self._ready and (self.discovery is None or self.discovery.ready)
 
     def _follow_endpoints(self) -> None:
         """Discovery changed the endpoint set: scrape and subscribe (or stop) now, not at the next tick."""
@@ -243,6 +245,20 @@ class EppServer:
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._ready = True
+        if self.discovery is not None:
+            await self._follow_pool(self.discovery)
+
+    async def _follow_pool(self, watcher: PoolWatcher) -> None:
+        """As the reference EPP: the readiness services answer NOT_SERVING while the pool is deleted
+        (or being deleted), SERVING again once it exists and its pods are listed; liveness stays."""
+        ready = True
+        while True:
+            ready = await watcher.wait_ready_change(ready)
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+            if ready:
+                status = health_pb2.HealthCheckResponse.SERVING
+            for name in READINESS_SERVICES:
+                await self.health.set(name, status)
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         s = self.settings

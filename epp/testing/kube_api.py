@@ -1,8 +1,9 @@
 """A fake Kubernetes API server for tests: the real list/watch JSON for Pods and InferencePools.
 
-Serves `/api/v1/namespaces/{ns}/pods[/{name}]` and
-`/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]` over plain HTTP on
-loopback, as the API server does:
+Serves `/api/v1/namespaces/{ns}/pods[/{name}]`,
+`/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]` and the older
+`/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools[/{name}]` (a separate
+resource with its own objects, as two CRDs are) over plain HTTP on loopback, as the API server does:
 - a list answers `{"kind": "PodList", "metadata": {"resourceVersion": "N"}, "items": [...]}`, filtered
   by `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`) and `fieldSelector` (`metadata.name`,
   `metadata.namespace`);
@@ -12,14 +13,17 @@ loopback, as the API server does:
   stream; no (or "0") resourceVersion starts with ADDED events for what exists;
 - after `compact()`, a watch from an older resourceVersion gets 410 Gone, as an `ERROR` event with a
   `Status` (`gone_as="event"`, what current API servers send) or as the HTTP status (`"status"`);
-- a missing object is 404; `crd_installed=False` makes the whole inferencepools resource 404;
+- a missing object is 404; `crd_installed=False` (`alpha_crd_installed=False`) makes the whole v1
+  (v1alpha2) inferencepools resource 404;
   `fail_next(status)` answers the next requests with an error;
 - deleting an object that has `metadata.finalizers` only marks it (`deletionTimestamp`,
   `deletionGracePeriodSeconds: 0`, a MODIFIED event); it goes (DELETED) when an update empties its
   finalizers, as the API server does.
 
-Tests change the world with `add_pod`/`update_pod`/`delete_pod` and `add_pool`/`put_pool`/
-`update_pool`/`delete_pool`; each bumps the resourceVersion and notifies the watchers.
+Tests change the world with `add_pod`/`update_pod`/`delete_pod`, `add_pool`/`put_pool`/
+`update_pool`/`delete_pool` (v1) and `add_alpha_pool`/`update_alpha_pool`/`delete_alpha_pool`
+(v1alpha2: `spec.selector` a plain label map, one `spec.targetPortNumber`); each bumps the
+resourceVersion and notifies the watchers.
 `write_kubeconfig()` writes a kubeconfig that points kubernetes-asyncio here (no TLS).
 """
 
@@ -39,8 +43,20 @@ from aiohttp import web
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
+ALPHA_POOL_GROUP = "inference.networking.x-k8s.io"
+ALPHA_POOL_VERSION = "v1alpha2"
 PODS, POOLS = "pods", "inferencepools"
-_KINDS = {PODS: ("Pod", "v1"), POOLS: ("InferencePool", f"{POOL_GROUP}/{POOL_VERSION}")}
+ALPHA_POOLS = f"inferencepools.{ALPHA_POOL_GROUP}"  # the v1alpha2 resource (kubectl's resource.group)
+_KINDS = {
+    PODS: ("Pod", "v1"),
+    POOLS: ("InferencePool", f"{POOL_GROUP}/{POOL_VERSION}"),
+    ALPHA_POOLS: ("InferencePool", f"{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}"),
+}
+_COLLECTIONS = {  # resource -> its collection path, with {ns}
+    PODS: "/api/v1/namespaces/{ns}/pods",
+    POOLS: f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{{ns}}/inferencepools",
+    ALPHA_POOLS: f"/apis/{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}/namespaces/{{ns}}/inferencepools",
+}
 
 Obj = dict[str, Any]
 Matcher = Callable[[Mapping[str, Any]], bool]
@@ -167,10 +183,11 @@ class FakeKubeApi:
         self.host = host
         self.port = port
         self.gone_as = gone_as
-        self.crd_installed = True
+        self.crd_installed = True  # inferencepools.inference.networking.k8s.io (v1) is served
+        self.alpha_crd_installed = True  # inferencepools.inference.networking.x-k8s.io (v1alpha2) is served
         self.rv = 100
         self.compacted = 0  # a watch from a resourceVersion below this gets 410
-        self.objects: dict[str, dict[tuple[str, str], Obj]] = {PODS: {}, POOLS: {}}
+        self.objects: dict[str, dict[tuple[str, str], Obj]] = {r: {} for r in _KINDS}
         self.history: list[_Change] = []
         self.requests: list[tuple[str, dict[str, str]]] = []  # (path, query) of every request
         self._failures: list[int] = []
@@ -186,11 +203,9 @@ class FakeKubeApi:
     async def start(self) -> FakeKubeApi:
         """Serve (again, on the same port after `stop()`)."""
         app = web.Application()
-        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._collection(PODS))
-        app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", self._single(PODS))
-        base = f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{{ns}}/inferencepools"
-        app.router.add_get(base, self._collection(POOLS))
-        app.router.add_get(base + "/{name}", self._single(POOLS))
+        for resource, base in _COLLECTIONS.items():
+            app.router.add_get(base, self._collection(resource))
+            app.router.add_get(base + "/{name}", self._single(resource))
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
@@ -270,8 +285,12 @@ current-context: fake
         return len(self._watches)
 
     def watch_requests(self, resource: str) -> list[dict[str, str]]:
-        """Queries of the watch requests made for pods or inferencepools, in order."""
-        return [q for p, q in self.requests if p.endswith("/" + resource) and _true(q.get("watch"))]
+        """Queries of the watch requests made for PODS, POOLS or ALPHA_POOLS, in order."""
+        return [q for p, q in self.requests if _is_collection(resource, p) and _true(q.get("watch"))]
+
+    def list_requests(self, resource: str) -> list[dict[str, str]]:
+        """Queries of the list (not watch) requests made for PODS, POOLS or ALPHA_POOLS, in order."""
+        return [q for p, q in self.requests if _is_collection(resource, p) and not _true(q.get("watch"))]
 
     # -- pods --------------------------------------------------------------------------------
     def add_pod(
@@ -401,11 +420,7 @@ current-context: fake
             obj["spec"]["selector"] = {"matchLabels": dict(selector)}
         if ports is not None:
             obj["spec"]["targetPorts"] = [{"number": p} for p in ports]
-        if finalizers is not None:
-            if finalizers:
-                obj["metadata"]["finalizers"] = list(finalizers)
-            else:
-                obj["metadata"].pop("finalizers", None)
+        _set_finalizers(obj, finalizers)
         if selector is not None or ports is not None:
             obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
         return self.put(POOLS, obj)
@@ -417,6 +432,68 @@ current-context: fake
     def delete_pool(self, name: str, namespace: str = "default") -> None:
         """Delete a pool (with finalizers: only mark it, as the API server does)."""
         self.delete(POOLS, namespace, name)
+
+    # -- v1alpha2 pools (inference.networking.x-k8s.io) ---------------------------------------
+    def add_alpha_pool(
+        self,
+        name: str,
+        selector: Mapping[str, str],
+        port: int,
+        *,
+        namespace: str = "default",
+        finalizers: list[str] | None = None,
+    ) -> Obj:
+        """A v1alpha2 InferencePool as the API server returns it (the CRD's defaults filled in):
+        `spec.selector` is the label map itself, `spec.targetPortNumber` the one port."""
+        meta: Obj = {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"pool-uid-{next(self._uids)}",
+            "generation": 1,
+            "creationTimestamp": "2025-01-01T00:00:00Z",
+        }
+        if finalizers:
+            meta["finalizers"] = list(finalizers)
+        obj: Obj = {
+            "apiVersion": f"{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}",
+            "kind": "InferencePool",
+            "metadata": meta,
+            "spec": {
+                "selector": dict(selector),
+                "targetPortNumber": port,
+                "extensionRef": {
+                    "group": "",
+                    "kind": "Service",
+                    "name": f"{name}-epp",
+                    "failureMode": "FailClose",
+                },
+            },
+        }
+        return self.put(ALPHA_POOLS, obj)
+
+    def update_alpha_pool(
+        self,
+        name: str,
+        *,
+        namespace: str = "default",
+        selector: Mapping[str, str] | None = None,
+        port: int | None = None,
+        finalizers: list[str] | None = None,
+    ) -> Obj:
+        """Change a v1alpha2 pool; `finalizers=[]` removes them (which completes a pending deletion)."""
+        obj = self.get(ALPHA_POOLS, namespace, name)
+        if selector is not None:
+            obj["spec"]["selector"] = dict(selector)
+        if port is not None:
+            obj["spec"]["targetPortNumber"] = port
+        _set_finalizers(obj, finalizers)
+        if selector is not None or port is not None:
+            obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
+        return self.put(ALPHA_POOLS, obj)
+
+    def delete_alpha_pool(self, name: str, namespace: str = "default") -> None:
+        """Delete a v1alpha2 pool (with finalizers: only mark it, as the API server does)."""
+        self.delete(ALPHA_POOLS, namespace, name)
 
     # -- the store ---------------------------------------------------------------------------
     def get(self, resource: str, namespace: str, name: str) -> Obj:
@@ -494,7 +571,9 @@ current-context: fake
         self.requests.append((request.path, dict(request.query)))
         if self._failures:
             return _error(self._failures.pop(0), "injected failure")
-        if resource == POOLS and not self.crd_installed:
+        if (resource == POOLS and not self.crd_installed) or (
+            resource == ALPHA_POOLS and not self.alpha_crd_installed
+        ):
             return _error(404, "the server could not find the requested resource")
         return None
 
@@ -574,6 +653,20 @@ current-context: fake
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
         return resp
+
+
+def _set_finalizers(obj: Obj, finalizers: list[str] | None) -> None:
+    if finalizers is not None:
+        if finalizers:
+            obj["metadata"]["finalizers"] = list(finalizers)
+        else:
+            obj["metadata"].pop("finalizers", None)
+
+
+def _is_collection(resource: str, path: str) -> bool:
+    """`path` is the collection of `resource` in some namespace."""
+    head, _, tail = _COLLECTIONS[resource].partition("{ns}")
+    return path.startswith(head) and path.endswith(tail) and "/" not in path[len(head) : -len(tail)]
 
 
 def _true(value: str | None) -> bool:
