@@ -148,15 +148,18 @@ class Datastore:
         return False
 
     # -- candidates --------------------------------------------------------------------
-    def candidates(self, subset: Collection[EndpointId] | None = None) -> list[Endpoint]:
-        """Healthy endpoints (restricted to `subset` when given), as immutable views."""
+    def candidates(self, subset: Collection[str] | None = None) -> list[Endpoint]:
+        """Healthy endpoints (restricted to `subset` when given), as immutable views. A subset entry is an
+        endpoint id (`ip:port`: that endpoint) or a bare host as ids write it (`10.0.0.1`, `[fd00::1]`:
+        every endpoint on it). The reference matches every entry by IP alone, its port dropped
+        (llm-d/llm-d-router pkg/epp/requestcontrol/candidates.go `Locate`); here a port is held to."""
         if self._deadlines and self._deadlines[0][0] <= self.clock.now():
             self.expire_backlog()
         if self._healthy_views is None:
             self._healthy_views = [r.view() for r in self._records.values() if r.healthy]
         if subset is None:
             return self._healthy_views
-        return [e for e in self._healthy_views if e.id in subset]
+        return [e for e in self._healthy_views if e.id in subset or e.id.rpartition(":")[0] in subset]
 
     # -- in-flight accounting ------------------------------------------------------------
     def begin(

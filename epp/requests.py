@@ -13,7 +13,7 @@ is a 400, as vLLM's request model has it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -70,20 +70,36 @@ def _is_token(t: Any) -> bool:
 
 
 def _check_prompt(prompt: Any, name: str = "prompt") -> tuple[str | list[int], int]:
-    """Validate a completions `prompt` (or `input`); returns (prompt, estimated prompt tokens)."""
+    """Validate a completions `prompt` (or an embeddings `input`); returns (the prompt to key, estimated
+    prompt tokens of the whole request).
+
+    A list of ints is one token-id prompt. A list of strings or of token-id lists is a batch: vLLM 0.32
+    runs each item as its own engine request (`prompt_to_seq` in vllm-project/vllm
+    vllm/renderers/inputs/preprocess.py; `{request_id}-{i}`, added in list order, in
+    vllm/entrypoints/openai/completion/serving.py), and SGLang as a batch of `text` / `input_ids`
+    (sgl-project/sglang python/sglang/srt/entrypoints/openai/serving_completions.py). Each item is cached
+    on its own, from the same root: the items are never joined. The first item is keyed (the engine's
+    first request of the batch; the others get no cache credit), and the estimate counts every item (all
+    of them are prefilled on the pod picked). An empty list is a 400 (vLLM: "You must pass at least one
+    prompt", `render_prompts` in vllm/renderers/base.py; SGLang: "Prompt cannot be empty",
+    `_validate_request` in serving_completions.py), and so is a batch whose items are all empty (SGLang's
+    same check), and any other shape (mixed items, deeper nesting: vLLM's `CompletionRequest.prompt`,
+    vllm/entrypoints/openai/completion/protocol.py, accepts none of them)."""
     if isinstance(prompt, str):
         return prompt, _text_tokens(prompt)
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad_request(f"'{name}' must not be an empty list: the engine needs at least one prompt")
         if all(map(_is_token, prompt)):
             return prompt, len(prompt)
-        if all(isinstance(p, str) for p in prompt):
-            joined = "".join(prompt)
-            return joined, _text_tokens(joined)
-        if all(isinstance(p, list) and all(map(_is_token, p)) for p in prompt):
-            flat = [t for p in prompt for t in p]
-            return flat, len(flat)
+        texts = all(isinstance(p, str) for p in prompt)
+        if texts or all(isinstance(p, list) and all(map(_is_token, p)) for p in prompt):
+            if not any(prompt):
+                raise bad_request(f"'{name}' has only empty prompts: the engine needs a non-empty one")
+            return prompt[0], sum(map(_text_tokens, prompt)) if texts else sum(map(len, prompt))
     raise bad_request(
-        f"'{name}' must be a string, a list of strings, or a list of token ids (ints in 0..2147483647)"
+        f"'{name}' must be a string, a list of strings, a list of token ids (ints in 0..2147483647), "
+        "or a list of token-id lists"
     )
 
 
@@ -220,13 +236,35 @@ def _responses(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, Chat
     return messages, tokens, options, _STORED_HISTORY if chat.stored_history else None
 
 
+def sglang_adapter(model: str, served_models: Collection[str]) -> str | None:
+    """The LoRA adapter a `model` of the form `<base model>:<adapter>` names, as SGLang reads it, else None.
+
+    SGLang (since sgl-project/sglang PR #11570, October 2025) splits a request's `model` at its first
+    ':' and strips both parts (`_parse_model_parameter`), and runs the request with the adapter part as
+    its `lora_path` (`_resolve_lora_path`, which wins over the body's `lora_path`), both in
+    python/sglang/srt/entrypoints/openai/serving_base.py; serving_completions.py passes it on as
+    `GenerateReqInput.lora_path`. The adapter's name is then the request's cache namespace (the
+    `lora_name` of its KV events). vLLM reads no such syntax: its served model names may contain ':'
+    (`--served-model-name gpt-oss:120b`, which SGLang itself misreads as an adapter: sgl-project/sglang
+    issue #12745). So the name is split only when its base part is a model served here
+    (`served_models`) and the whole name is not one."""
+    if ":" not in model or model in served_models:
+        return None
+    base, adapter = (part.strip() for part in model.split(":", 1))
+    return adapter if adapter and base in served_models else None
+
+
 def build_request(
     headers: Mapping[str, str],
     body: dict[str, Any] | None,
     objectives: Mapping[str, int],
     body_bytes: int = 0,
+    *,
+    served_models: Collection[str] = (),
 ) -> InferenceRequest:
-    """Validate and build the request. `headers` keys are lower-case."""
+    """Validate and build the request. `headers` keys are lower-case. `served_models`: the base models
+    served here; a `model` of the form `<one of them>:<adapter>` is SGLang's adapter syntax, and the
+    request's model is then the adapter's name (`sglang_adapter`), as for a vLLM adapter request."""
     path = headers.get(":path", "")
     kind = api_kind_of(path)
     request_id = headers.get("x-request-id") or str(uuid.uuid4())
@@ -238,6 +276,7 @@ def build_request(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is missing or not a non-empty string")
+    model = sglang_adapter(model, served_models) or model
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     tokens = 0

@@ -14,6 +14,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from epp import accounting
 from epp.clock import Clock
 from epp.costmodel.service import CostModel
@@ -37,12 +39,19 @@ MAX_MODEL_LABEL_CHARS = 256
 OTHER_MODEL = "other"
 FAILURE_LOG_EVERY_S = 30.0
 """Bookkeeping failures on the response path are logged at most this often (all are counted)."""
+MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+"""Names the model the request goes to the model server as: the body's `model` is rewritten to it, and the
+request is scheduled for it (the reference: llm-d/llm-d-router pkg/epp/handlers/request.go reads it,
+pkg/epp/requestcontrol/director.go `modelRewriteIfNeeded` rewrites the body; kubernetes-sigs/
+gateway-api-inference-extension pkg/epp/metadata/consts.go names it)."""
+_encoder = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     request: InferenceRequest
-    new_body: bytes | None  # the body to forward when the EPP changed it (tenant salt)
+    new_body: bytes | None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
+    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER replaced it
 
 
 @dataclass(slots=True)
@@ -53,7 +62,8 @@ class RoutedRequest:
     routed_at: float
     status: int | None = None
     first_byte_at: float | None = None
-    body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt)
+    body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
+    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER replaced it
     observable: bool = False  # its first response byte will be its first token (streamed both ways)
     served: str | None = None  # the endpoint Envoy reports it used, when it says
 
@@ -98,6 +108,8 @@ class Director:
         self._model_labels: dict[str, str] = {}
         self._failure_logged_at = -math.inf
         self._failures_unlogged = 0
+        self._subset_logged_at = -math.inf
+        self._subsets_unlogged = 0
 
     def model_label(self, model: str) -> str:
         """The metrics label for a request's model: itself, or OTHER_MODEL once MAX_MODEL_LABELS names
@@ -108,6 +120,12 @@ class Director:
                 return OTHER_MODEL
             label = self._model_labels[model] = model
         return label
+
+    def model_labels(self, request: InferenceRequest, incoming_model: str | None) -> tuple[str, str]:
+        """The request metrics' (model_name, target_model_name), as the reference has them: the client's
+        model and the one it goes to the model server as (they differ when MODEL_REWRITE_HEADER rewrites)."""
+        target = self.model_label(request.model)
+        return (target if incoming_model is None else self.model_label(incoming_model)), target
 
     def route(
         self,
@@ -126,13 +144,31 @@ class Director:
         salt. Between the halves the server may tokenize the prompt in a worker thread."""
         doc: dict[str, Any] | None = None if body is None else parse_body(body)
         new_body: bytes | None = None
+        incoming = None if doc is None else _rewrite_model(headers, doc)
         if self.tenancy is not None:  # the tenant's salt replaces any client-sent cache_salt
             if doc is not None:
                 new_body = self.tenancy.apply(headers, doc)
             else:
                 self.tenancy.tenant_of(headers)  # a header-only request still needs a tenant
-        request = build_request(headers, doc, self.objectives, len(body) if body is not None else 0)
-        return ParsedRequest(request, new_body)
+        if incoming is not None and new_body is None:
+            new_body = _encoder.encode(doc)
+        model = doc.get("model") if doc is not None else None
+        served = self._served_models() if isinstance(model, str) and ":" in model else ()
+        request = build_request(
+            headers, doc, self.objectives, len(body) if body is not None else 0, served_models=served
+        )
+        return ParsedRequest(request, new_body, incoming)
+
+    def _served_models(self) -> set[str]:
+        """The models the pool's endpoints serve (configured, or named by their metrics): a request's
+        `<one of them>:<adapter>` is SGLang's adapter syntax (`requests.sglang_adapter`)."""
+        served: set[str] = set()
+        for rec in self.datastore.records():
+            if rec.model:
+                served.add(rec.model)
+            if rec.metrics is not None:
+                served.update(rec.metrics.models)
+        return served
 
     def route_parsed(
         self,
@@ -156,14 +192,22 @@ class Director:
         m.picks(decision.primary, decision.profile, decision.reason).inc()
         if decision.mode:
             m.pick_modes(decision.mode).inc()
-        model = self.model_label(request.model)
-        m.requests(model, model).inc()
+        model, target = self.model_labels(request, parsed.incoming_model)
+        m.requests(model, target).inc()
         m.running(model).inc()
         observable = request.stream and streamed_response
         ticket = accounting.begin(self.datastore, request, decision, t1, observable, self.cost)
         if self.decisions is not None and self.decisions.keep:
             self.decisions.add(t1, request, decision, self._calibration_used(request.model, decision))
-        return RoutedRequest(request, decision, ticket, t1, body=new_body, observable=observable)
+        return RoutedRequest(
+            request,
+            decision,
+            ticket,
+            t1,
+            body=new_body,
+            incoming_model=parsed.incoming_model,
+            observable=observable,
+        )
 
     def precheck(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> None:
         """Raise the SchedulingError that `route_parsed` would raise before any scorer runs (no endpoint,
@@ -178,6 +222,22 @@ class Director:
         if not candidates:
             raise NoEndpointsError("no eligible endpoint in the gateway's subset hint")
         return candidates
+
+    def subset_malformed(self, entries: Collection[str]) -> None:
+        """The gateway's subset hint had entries that are neither `ip:port` nor an IP (they allow nothing):
+        logged at most every FAILURE_LOG_EVERY_S, a misconfigured gateway sending them on every request."""
+        now = self.clock.now()
+        if now - self._subset_logged_at < FAILURE_LOG_EVERY_S:
+            self._subsets_unlogged += 1
+            return
+        skipped, self._subsets_unlogged = self._subsets_unlogged, 0
+        self._subset_logged_at = now
+        log.warning(
+            "the gateway's subset hint (envoy.lb.subset_hint) has entries that are neither ip:port nor an "
+            "IP, ignored: %s (%d more requests with such entries since the last report)",
+            ", ".join(repr(e) for e in entries),
+            skipped,
+        )
 
     def reject(self, status: int, code: str, model: str = "") -> None:
         self.metrics.rejections(str(status), code).inc()
@@ -216,8 +276,8 @@ class Director:
         routed.status = status
         if not 200 <= status < 300:
             self.metrics.backend_errors(routed.endpoint, str(status)).inc()
-            model = self.model_label(routed.request.model)
-            self.metrics.request_errors(model, model, f"ModelServerError{status}").inc()
+            model, target = self.model_labels(routed.request, routed.incoming_model)
+            self.metrics.request_errors(model, target, f"ModelServerError{status}").inc()
 
     def on_first_byte(self, routed: RoutedRequest) -> None:
         if routed.first_byte_at is not None:
@@ -245,16 +305,16 @@ class Director:
         if not self.datastore.release(routed.ticket):
             return
         m = self.metrics
-        model = self.model_label(routed.request.model)
+        model, target = self.model_labels(routed.request, routed.incoming_model)
         m.released(cause).inc()
         m.running(model).dec()
-        m.request_duration(model, model).observe(self.clock.now() - routed.routed_at)
+        m.request_duration(model, target).observe(self.clock.now() - routed.routed_at)
         if usage_invalid:
             m.usage_invalid(routed.endpoint).inc()
         if usage is not None:
             ep = routed.endpoint
-            m.input_tokens(model, model).observe(usage.prompt_tokens)
-            m.output_tokens(model, model).observe(usage.completion_tokens)
+            m.input_tokens(model, target).observe(usage.prompt_tokens)
+            m.output_tokens(model, target).observe(usage.completion_tokens)
             m.usage_tokens(ep, "prompt").inc(usage.prompt_tokens)
             m.usage_tokens(ep, "cached").inc(usage.cached_tokens)
             m.usage_tokens(ep, "completion").inc(usage.completion_tokens)
@@ -278,6 +338,26 @@ class Director:
             )
         except Exception:  # never let reporting a failure fail the stream
             pass
+
+
+def _rewrite_model(headers: Mapping[str, str], doc: dict[str, Any]) -> str | None:
+    """Apply MODEL_REWRITE_HEADER to the body: returns the client's model when it was replaced. A body
+    without a valid `model` is left for `build_request` to refuse (400); an empty header is no rewrite (as in
+    the reference). A value with a comma is refused (400): the header sent more than once (`header_map` joins
+    the copies), where the reference silently takes one copy."""
+    target = headers.get(MODEL_REWRITE_HEADER, "").strip()
+    model = doc.get("model")
+    if not target or not isinstance(model, str) or not model:
+        return None
+    if "," in target:
+        got = target[:64]
+        raise RequestError(
+            400, "BadRequest", f"header {MODEL_REWRITE_HEADER!r} must name one model, once (got {got!r})"
+        )
+    if target == model:
+        return None
+    doc["model"] = target
+    return model
 
 
 __all__ = ["Director", "RequestError", "RoutedRequest"]

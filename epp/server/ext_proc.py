@@ -14,6 +14,7 @@ response passed on).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -23,12 +24,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from epp.requests import RequestError
-from epp.scheduling.errors import SchedulingError, SloExceededError
+from epp.scheduling.errors import NoEndpointsError, SchedulingError, SloExceededError
 from epp.server.body_budget import BodyBudget
 from epp.server.decisions import DECISION_HEADER, header_value
 from epp.server.director import Director, ParsedRequest, RoutedRequest
 from epp.server.ext_proc_wire import (
     MAX_CHUNK,
+    REQUEST_ID_HEADER,
+    SubsetHint,
     destination_mutation,
     echo,
     error_response,
@@ -84,7 +87,7 @@ class RequestStream:
         self.held = 0  # bytes of `body` reserved in `budget`
         self.headers: dict[str, str] = {}
         self.seen_headers = False
-        self.subset: list[str] | None = None
+        self.subset: SubsetHint | None = None
         self.request_mode = _DUPLEX
         self.response_mode = _DUPLEX
         self.body = bytearray()
@@ -123,6 +126,8 @@ class RequestStream:
             self.response_mode = msg.protocol_config.response_body_mode
         self.headers = header_map(msg.request_headers)
         self.subset = subset_hint(msg)
+        if self.subset is not None and self.subset.malformed:
+            self.director.subset_malformed(self.subset.malformed)
         if msg.request_headers.end_of_stream:
             return self._route(None, header_phase=True)
         if self.request_mode in _ROUTES_ON_HEADERS:
@@ -184,7 +189,7 @@ class RequestStream:
             if now is None:
                 # a long prompt: tokenized in the worker thread, then routed (`resume`, from `Process`)
                 try:
-                    self.director.precheck(parsed, self.subset)  # refused anyway: not worth tokenizing
+                    self.director.precheck(parsed, self._allowed())  # refused anyway: not worth tokenizing
                 except SchedulingError as err:
                     return self._refuse(err)
                 except Exception:
@@ -192,7 +197,7 @@ class RequestStream:
                     return self._reject(500, "Internal", "internal error")
                 self.pending = _Pending(parsed, body, header_phase, body_eos, trailers)
                 return ()
-            parsed = ParsedRequest(now, parsed.new_body)
+            parsed = dataclasses.replace(parsed, request=now)
         return self._answer(parsed, body, header_phase, body_eos)
 
     async def resume(self) -> Iterable[pb.ProcessingResponse]:
@@ -204,7 +209,7 @@ class RequestStream:
         except Exception:
             log.exception("internal error while tokenizing")
             return self._reject(500, "Internal", "internal error")
-        parsed = ParsedRequest(request, p.parsed.new_body)
+        parsed = dataclasses.replace(p.parsed, request=request)
         out = list(self._answer(parsed, p.body, p.header_phase, p.body_eos))
         if p.trailers and not self.done:
             out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
@@ -215,7 +220,7 @@ class RequestStream:
     ) -> Iterable[pb.ProcessingResponse]:
         try:
             streamed = self.response_mode in (_DUPLEX, _STREAMED)
-            routed = self.director.route_parsed(parsed, self.subset, streamed)
+            routed = self.director.route_parsed(parsed, self._allowed(), streamed)
         except SchedulingError as err:
             return self._refuse(err)
         except Exception:
@@ -225,7 +230,11 @@ class RequestStream:
         dest = ",".join(routed.decision.endpoints)
         metadata = lb_metadata(dest)
         new_body = routed.body
-        common = destination_mutation(dest, None if new_body is None else len(new_body))
+        # A request that came without an x-request-id gets the one the EPP generated (epp/requests.py), as
+        # in the reference (llm-d/llm-d-router pkg/epp/handlers/server.go, request.go `generateHeaders`).
+        request = routed.request
+        generated = None if request.headers.get(REQUEST_ID_HEADER) else request.request_id
+        common = destination_mutation(dest, None if new_body is None else len(new_body), generated)
         if header_phase:
             return (
                 pb.ProcessingResponse(
@@ -257,9 +266,18 @@ class RequestStream:
             out.append(echo(data[start:end], body_eos and end >= n, False))
         return out
 
+    def _allowed(self) -> frozenset[str] | None:
+        return None if self.subset is None else self.subset.allowed
+
     def _refuse(self, err: SchedulingError) -> Iterable[pb.ProcessingResponse]:
         retry_after = err.retry_after_s if isinstance(err, SloExceededError) else None
-        return self._reject(err.status, err.code, str(err), retry_after)
+        message = str(err)
+        if isinstance(err, NoEndpointsError) and self.subset is not None and self.subset.malformed:
+            shown = ", ".join(repr(e) for e in self.subset.malformed[:5])
+            more = len(self.subset.malformed) - 5
+            message += f" (entries that are neither ip:port nor an IP, ignored: {shown}"
+            message += f" and {more} more)" if more > 0 else ")"
+        return self._reject(err.status, err.code, message, retry_after)
 
     def _drop_body(self) -> None:
         self.body = bytearray()

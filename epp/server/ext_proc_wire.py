@@ -5,18 +5,25 @@ metadata, body echoes, immediate error responses). `ext_proc.py` runs the stream
 
 from __future__ import annotations
 
+import ipaddress
 import json
+from dataclasses import dataclass
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
+
+from epp.config import parse_endpoint_address
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+REQUEST_ID_HEADER = "x-request-id"
+MAX_SHOWN_CHARS = 64
+"""A malformed subset entry is quoted in errors and logs up to this many characters."""
 MAX_CHUNK = 62_000
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON_CT = base_pb2.HeaderValueOption(
@@ -43,8 +50,44 @@ def served_endpoint(req: pb.ProcessingRequest) -> str | None:
     return value.string_value or None if value is not None else None
 
 
-def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
-    """The gateway's allowed endpoints, or None when there is no hint."""
+@dataclass(frozen=True, slots=True)
+class SubsetHint:
+    """The gateway's subset hint. `allowed` holds normalised entries as endpoint ids are written: `ip:port`
+    (that endpoint; IPv6 as `[addr]:port`) or a bare IP (`10.0.0.1`, `[fd00::1]`: every endpoint on that IP,
+    which the reference accepts too). `malformed` holds the entries that are neither, as sent (shortened):
+    they allow nothing."""
+
+    allowed: frozenset[str]
+    malformed: tuple[str, ...] = ()
+
+
+def subset_entry(entry: str) -> str | None:
+    """One subset entry, normalised (see `SubsetHint`), or None when it is neither `ip:port` nor an IP. A
+    bare IPv6 address is read whole before any `:port` (`fd00::80` is an address, not `fd00:` port 80)."""
+    entry = entry.strip()
+    bracketed = entry.startswith("[") and entry.endswith("]")
+    try:
+        ip = ipaddress.ip_address(entry[1:-1] if bracketed else entry)
+    except ValueError:
+        pass
+    else:
+        return f"[{ip}]" if ip.version == 6 else str(ip)
+    try:
+        return parse_endpoint_address(entry)
+    except ValueError:
+        return None
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def subset_hint(req: pb.ProcessingRequest) -> SubsetHint | None:
+    """The gateway's allowed endpoints, or None when there is no hint. The value is a list of strings (the
+    protocol's shape) or one comma-separated string (what a header copied into metadata gives); any other
+    value, or a list item that is not a string, is malformed: it allows nothing (the reference ignores such
+    items; a whole value of another kind it takes for no hint at all, serving from every endpoint, where
+    here it answers 503: the gateway asked for a subset)."""
     md = req.metadata_context.filter_metadata
     if SUBSET_NAMESPACE not in md:
         return None
@@ -53,13 +96,28 @@ def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
         return None
     value = fields[SUBSET_KEY]
     kind = value.WhichOneof("kind")
+    items: list[str] = []
+    malformed: list[str] = []
     if kind == "list_value":
-        items = [v.string_value for v in value.list_value.values]
+        for v in value.list_value.values:
+            if v.WhichOneof("kind") == "string_value":
+                items.append(v.string_value)
+            else:
+                malformed.append(json_format.MessageToJson(v, indent=None))
     elif kind == "string_value":
         items = value.string_value.split(",")
     else:
-        items = []
-    return [i.strip() for i in items if i.strip()]
+        malformed.append(json_format.MessageToJson(value, indent=None))
+    allowed: set[str] = set()
+    for item in items:
+        if not item.strip():
+            continue  # an empty item names nothing (as an empty list does)
+        entry = subset_entry(item)
+        if entry is None:
+            malformed.append(item.strip())
+        else:
+            allowed.add(entry)
+    return SubsetHint(frozenset(allowed), tuple(_shown(m) for m in malformed))
 
 
 def header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -87,10 +145,18 @@ def error_response(
     )
 
 
-def destination_mutation(value: str, content_length: int | None = None) -> pb.CommonResponse:
+def destination_mutation(
+    value: str, content_length: int | None = None, request_id: str | None = None
+) -> pb.CommonResponse:
+    """The routing answer's headers. `request_id`: the id the EPP generated for a request that came without
+    one, set as `x-request-id` so the model server sees the id the EPP logs and plugins use (as the reference
+    does: llm-d/llm-d-router pkg/epp/handlers/server.go generates it into the request's headers, and
+    pkg/epp/handlers/request.go `generateHeaders` sets those in the header mutation)."""
     headers = [header(DESTINATION_HEADER, value)]
     if content_length is not None:
         headers.append(header("content-length", str(content_length)))
+    if request_id is not None:
+        headers.append(header(REQUEST_ID_HEADER, request_id))
     return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
 
 

@@ -149,10 +149,13 @@ def _prompt_ok(v: Any) -> bool:
         return True
     if not isinstance(v, list) or not v:
         return False
-    return (
-        all(map(_token, v))
-        or all(isinstance(p, str) for p in v)
-        or all(isinstance(p, list) and all(map(_token, p)) for p in v)
+    # a list of strings or of token lists is a batch: one item at least must be non-empty (SGLang's
+    # "Prompt cannot be empty"; see epp/requests.py)
+    return all(map(_token, v)) or (
+        any(p for p in v)
+        and (
+            all(isinstance(p, str) for p in v) or all(isinstance(p, list) and all(map(_token, p)) for p in v)
+        )
     )
 
 

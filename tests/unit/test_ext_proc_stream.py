@@ -18,7 +18,7 @@ from epp.scheduling.builtin import default_registry
 from epp.server.body_budget import BodyBudget
 from epp.server.director import Director
 from epp.server.ext_proc import RequestStream
-from epp.server.ext_proc_wire import MAX_CHUNK, subset_hint
+from epp.server.ext_proc_wire import MAX_CHUNK, SubsetHint, subset_hint
 from epp.server.metrics import EppMetrics
 from epp.tenancy import TenantSalter
 from epp.testing.fakes import FakeClock
@@ -142,7 +142,7 @@ def test_trailers_end_the_body_in_duplex_mode() -> None:
     ],
 )
 def test_subset_hint_shapes(subset: object, expected: list[str]) -> None:
-    assert subset_hint(headers(subset=subset)) == expected
+    assert subset_hint(headers(subset=subset)) == SubsetHint(frozenset(expected))
 
 
 def test_no_subset_hint_is_none() -> None:

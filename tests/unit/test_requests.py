@@ -38,8 +38,9 @@ def test_api_kind_from_path(path: str, kind: ApiKind) -> None:
     [
         (COMPL, {"model": "m", "prompt": "abcdefgh"}, "abcdefgh", 2),
         (COMPL, {"model": "m", "prompt": [1, 2, 3]}, [1, 2, 3], 3),
-        (COMPL, {"model": "m", "prompt": ["ab", "cd"]}, "abcd", 1),
-        (COMPL, {"model": "m", "prompt": [[1, 2], [3]]}, [1, 2, 3], 3),
+        # a batch: each item is its own engine request; the first is keyed, the estimate counts them all
+        (COMPL, {"model": "m", "prompt": ["abcd", "efgh"]}, "abcd", 2),
+        (COMPL, {"model": "m", "prompt": [[1, 2], [3]]}, [1, 2], 3),
     ],
 )
 def test_completions_prompts(headers: dict[str, str], body: object, prompt: object, tokens: int) -> None:
