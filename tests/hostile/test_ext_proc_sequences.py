@@ -18,7 +18,7 @@ import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from epp.usage import UsageReader
@@ -138,6 +138,12 @@ sequences = st.one_of(
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequences)
+@example(  # response headers first, then request headers announcing a body in NONE mode (a 500, by design)
+    [
+        response_headers(b"200", False),
+        headers(eos=False, mode=0, response_mode=0, path=b"/v1/chat/completions"),
+    ]
+)
 def test_any_message_sequence_ends_cleanly_and_the_server_keeps_serving(
     epp: ServerThread, sequence: list[pb.ProcessingRequest]
 ) -> None:
@@ -155,7 +161,9 @@ def test_any_message_sequence_ends_cleanly_and_the_server_keeps_serving(
     if immediate:
         assert kinds.index("immediate_response") == len(kinds) - 1, kinds  # nothing after it
         [ir] = immediate
-        if routes_on_headers(sequence[0]):  # a body in STREAMED or NONE mode: refused with a 500
+        # (the request headers may come after other messages, e.g. response headers first)
+        first = next((m for m in sequence if m.HasField("request_headers")), sequence[0])
+        if routes_on_headers(first):  # a body in STREAMED or NONE mode: refused with a 500
             assert ir.status.code == 500 and b"request_body_mode" in ir.body, ir
         else:
             assert ir.status.code in (400, 413, 429, 503), ir  # never a 500: no internal error
