@@ -26,7 +26,13 @@ from epp.config import (
 from epp.config_sections import ConfigError
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
-from epp.discovery.settings import GROUP_V1, DiscoverySettings, resolve_kubeconfig, resolve_namespace
+from epp.discovery.settings import (
+    GROUP_V1,
+    REWRITE_GROUP,
+    DiscoverySettings,
+    resolve_kubeconfig,
+    resolve_namespace,
+)
 from epp.durations import parse_duration
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
@@ -168,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
         "inference.networking.x-k8s.io (the older v1alpha2)",
     )
     s.add_argument(
+        "--model-rewrite-group",
+        help=f"API group of the InferenceModelRewrite objects (v1alpha2) watched: {REWRITE_GROUP} "
+        "(the default) or llm-d.ai (llm-d's router)",
+    )
+    s.add_argument(
         "--pool-namespace",
         help="namespace of the InferencePool (default: $NAMESPACE, $POD_NAMESPACE, else default)",
     )
@@ -269,6 +280,7 @@ def _discovery(
     if args.pool_name is None:
         for flag, value in (
             ("--pool-group", args.pool_group),
+            ("--model-rewrite-group", args.model_rewrite_group),
             ("--pool-namespace", args.pool_namespace),
             ("--kubeconfig", args.kubeconfig),
         ):
@@ -287,11 +299,13 @@ def _discovery(
         pool_name=args.pool_name,
         namespace=resolve_namespace(args.pool_namespace, environ),
         pool_group=GROUP_V1 if args.pool_group is None else args.pool_group,
+        rewrite_group=REWRITE_GROUP if args.model_rewrite_group is None else args.model_rewrite_group,
         kubeconfig=resolve_kubeconfig(args.kubeconfig, environ),
     )
     problem = settings.check()
     if problem is not None:
-        flag = "--pool-group" if problem.startswith("--pool-group") else "--pool-name"
+        flags = ("--pool-group", "--model-rewrite-group")
+        flag = next((f for f in flags if problem.startswith(f + " ")), "--pool-name")
         raise ConfigError("flags", "", flag, problem)
     return settings
 

@@ -19,7 +19,7 @@ from kubernetes_asyncio.config import load_incluster_config, load_kube_config
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from epp.discovery.pool import PLURAL
-from epp.discovery.settings import DiscoverySettings
+from epp.discovery.settings import REWRITE_PLURAL, REWRITE_VERSION, DiscoverySettings
 
 EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"})
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # one watch line; etcd's own limit is ~1.5 MiB per object
@@ -68,13 +68,15 @@ async def connect(settings: DiscoverySettings) -> ApiClient:
 
 
 class KubeApi:
-    """Lists and watches of one namespace's Pods and InferencePools (of `settings.pool_group`)."""
+    """Lists and watches of one namespace's Pods, InferencePools (of `settings.pool_group`) and
+    InferenceModelRewrites (of `settings.rewrite_group`)."""
 
     def __init__(self, client: ApiClient, settings: DiscoverySettings) -> None:
         self.client = client
         self.namespace = settings.namespace
         self.pool_group = settings.pool_group
         self.pool_version = settings.pool_version
+        self.rewrite_group = settings.rewrite_group
         self.core = CoreV1Api(client)
         self.custom = CustomObjectsApi(client)
         self._list_timeout = aiohttp.ClientTimeout(total=settings.request_timeout)
@@ -122,6 +124,18 @@ class KubeApi:
                 **kw,
             ),
             resource_version,
+        )
+
+    # -- model rewrites --------------------------------------------------------------------
+    async def list_rewrites(self) -> tuple[list[Any], str]:
+        return await self._list(self._rewrites)
+
+    def watch_rewrites(self, resource_version: str) -> AsyncGenerator[Event, None]:
+        return self._watch(self._rewrites, resource_version)
+
+    def _rewrites(self, **kw: Any) -> Awaitable[Any]:
+        return self.custom.list_namespaced_custom_object(
+            self.rewrite_group, REWRITE_VERSION, self.namespace, REWRITE_PLURAL, **kw
         )
 
     # -- raw requests ----------------------------------------------------------------------

@@ -11,6 +11,11 @@ NAMESPACE_ENVS = ("NAMESPACE", "POD_NAMESPACE")
 GROUP_V1 = "inference.networking.k8s.io"
 GROUP_V1ALPHA2 = "inference.networking.x-k8s.io"
 POOL_VERSIONS = {GROUP_V1: "v1", GROUP_V1ALPHA2: "v1alpha2"}
+# InferenceModelRewrite: the Inference Extension's resource (apix/v1alpha2), whatever `--pool-group` is.
+REWRITE_GROUP = "inference.networking.x-k8s.io"
+REWRITE_VERSION = "v1alpha2"
+REWRITE_PLURAL = "inferencemodelrewrites"
+REWRITE_GROUPS = (REWRITE_GROUP, "llm-d.ai")  # llm-d's router serves the same schema as llm-d.ai/v1alpha2
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,7 @@ class DiscoverySettings:
     backoff_max: float = 10.0  # retries never wait longer than this
     watch_timeout: int = 300  # server-side timeoutSeconds of one watch request; then re-watch
     request_timeout: float = 30.0  # one list request (connect and read)
+    rewrite_group: str = REWRITE_GROUP  # where InferenceModelRewrite objects are read (`REWRITE_VERSION`)
 
     def check(self) -> str | None:
         """A message about the first invalid setting, or None."""
@@ -35,6 +41,10 @@ class DiscoverySettings:
                 f"--pool-group {self.pool_group!r} is not an InferencePool API group: use {GROUP_V1} "
                 f"(InferencePool v1, the default) or {GROUP_V1ALPHA2} (InferencePool v1alpha2)"
             )
+        if self.rewrite_group not in REWRITE_GROUPS:
+            groups = ", ".join(REWRITE_GROUPS)
+            group = self.rewrite_group
+            return f"--model-rewrite-group {group!r} is not an InferenceModelRewrite group: use {groups}"
         if not 0 < self.backoff_initial <= self.backoff_max:
             return "backoff must satisfy 0 < initial <= max"
         if self.watch_timeout < 1 or self.request_timeout <= 0:

@@ -20,6 +20,8 @@ from epp.config import ConfigError, EppConfig, StaticEndpoint, build_scheduler
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
+from epp.discovery.rewrite_watcher import ModelRewriteWatcher
+from epp.discovery.rewrites import RewriteTable
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watcher import PoolWatcher
 from epp.kvindex import compiled
@@ -162,6 +164,8 @@ class EppServer:
             decisions=self.decisions,
             decision_header=config.explain.response_header,
             tokenizing=self.tokenizing,
+            # its own stream (from --seed when given), so rewrite picks never shift the scheduler's
+            rewrite_rng=random.Random(None if settings.seed is None else f"model-rewrites:{settings.seed}"),
         )
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.admin = AdminServer(
@@ -185,6 +189,7 @@ class EppServer:
                 observer=self.scrape_round,
             )
         self.discovery: PoolWatcher | None = None
+        self.model_rewrites: ModelRewriteWatcher | None = None  # InferenceModelRewrites (with discovery)
         if settings.discovery is not None:
             if config.endpoints or endpoints:
                 raise ValueError(
@@ -193,6 +198,9 @@ class EppServer:
                 )
             self.discovery = PoolWatcher(
                 self.datastore, settings.discovery, observer=self.metrics, on_change=self._follow_endpoints
+            )
+            self.model_rewrites = ModelRewriteWatcher(
+                settings.discovery, self._follow_rewrites, observer=self.metrics
             )
         self._sources_started = False
         self._readiness: asyncio.Task[None] | None = None
@@ -230,6 +238,10 @@ class EppServer:
             self.scraper.sync()
         if self.subscriber is not None:
             self.subscriber.sync()
+
+    def _follow_rewrites(self, table: RewriteTable) -> None:
+        """The InferenceModelRewrite rules changed: the director applies them from the next request."""
+        self.director.model_rewrites = table
 
     async def _become_ready(self) -> None:
         """Readiness: once the pool has been listed (with discovery) and every endpoint has had its
@@ -295,6 +307,8 @@ class EppServer:
         compiled.warm_up()  # compile (or load) the compiled loops before anything listens
         if self.discovery is not None:
             await self.discovery.start()  # bad credentials fail here, before anything listens
+        if self.model_rewrites is not None:
+            await self.model_rewrites.start()
         creds = self._credentials()
         self._grpc = grpc.aio.server(options=_GRPC_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(
@@ -343,6 +357,8 @@ class EppServer:
             self._readiness.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.model_rewrites is not None:
+            await self.model_rewrites.stop()
         await self.health.enter_graceful_shutdown()
         if self.scraper is not None:
             await self.scraper.stop()

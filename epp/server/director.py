@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,8 @@ from epp import accounting
 from epp.clock import Clock
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore, Ticket
+from epp.discovery.rewrites import EMPTY as NO_REWRITES
+from epp.discovery.rewrites import RewriteTable
 from epp.requests import RequestError, build_request, parse_body
 from epp.scheduling.errors import NoEndpointsError
 from epp.scheduling.scheduler import Scheduler
@@ -43,7 +47,8 @@ MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 """Names the model the request goes to the model server as: the body's `model` is rewritten to it, and the
 request is scheduled for it (the reference: llm-d/llm-d-router pkg/epp/handlers/request.go reads it,
 pkg/epp/requestcontrol/director.go `modelRewriteIfNeeded` rewrites the body; kubernetes-sigs/
-gateway-api-inference-extension pkg/epp/metadata/consts.go names it)."""
+gateway-api-inference-extension pkg/epp/metadata/consts.go names it). A matching InferenceModelRewrite
+rule takes precedence over it (`Director.model_rewrites`)."""
 _encoder = msgspec.json.Encoder()
 
 
@@ -51,7 +56,7 @@ _encoder = msgspec.json.Encoder()
 class ParsedRequest:
     request: InferenceRequest
     new_body: bytes | None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
-    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER replaced it
+    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER or a rule replaced it
 
 
 @dataclass(slots=True)
@@ -63,7 +68,7 @@ class RoutedRequest:
     status: int | None = None
     first_byte_at: float | None = None
     body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
-    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER replaced it
+    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER or a rule replaced it
     observable: bool = False  # its first response byte will be its first token (streamed both ways)
     served: str | None = None  # the endpoint Envoy reports it used, when it says
 
@@ -94,6 +99,7 @@ class Director:
         decisions: DecisionLog | None = None,
         decision_header: bool = False,
         tokenizing: PromptTokenizing | None = None,
+        rewrite_rng: random.Random | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
@@ -105,6 +111,12 @@ class Director:
         self.decisions = decisions
         self.decision_header = decision_header
         self.tokenizing = tokenizing  # long prompts tokenized in a worker thread between parse and route
+        # InferenceModelRewrite rules in force (set by the rewrite watcher), the generator of their
+        # weighted picks, and the decisions taken: (model_rewrite_name, model_name, target_model) -> count,
+        # the labels of the reference's model_rewrite_decisions_total (model names bounded by model_label).
+        self.model_rewrites: RewriteTable = NO_REWRITES
+        self.rewrite_rng = rewrite_rng if rewrite_rng is not None else random.Random()
+        self.rewrite_decisions: Counter[tuple[str, str, str]] = Counter()
         self._model_labels: dict[str, str] = {}
         self._failure_logged_at = -math.inf
         self._failures_unlogged = 0
@@ -144,7 +156,7 @@ class Director:
         salt. Between the halves the server may tokenize the prompt in a worker thread."""
         doc: dict[str, Any] | None = None if body is None else parse_body(body)
         new_body: bytes | None = None
-        incoming = None if doc is None else _rewrite_model(headers, doc)
+        incoming = None if doc is None else self._rewrite_model(headers, doc)
         if self.tenancy is not None:  # the tenant's salt replaces any client-sent cache_salt
             if doc is not None:
                 new_body = self.tenancy.apply(headers, doc)
@@ -158,6 +170,28 @@ class Director:
             headers, doc, self.objectives, len(body) if body is not None else 0, served_models=served
         )
         return ParsedRequest(request, new_body, incoming)
+
+    def _rewrite_model(self, headers: Mapping[str, str], doc: dict[str, Any]) -> str | None:
+        """Rewrite the body's `model`: returns the client's model when it was replaced. The
+        InferenceModelRewrite rule for the client's model, when there is one, picks the target and takes
+        precedence over MODEL_REWRITE_HEADER, as in the reference (llm-d/llm-d-router
+        pkg/epp/requestcontrol/director.go: `applyWeightedModelRewrite` runs after the header set the
+        target); else the header does."""
+        target = _header_target(headers, doc)
+        model = doc.get("model")
+        if not isinstance(model, str) or not model:
+            return None  # build_request refuses it (400)
+        if self.model_rewrites:
+            hit = self.model_rewrites.rewrite(model, self.rewrite_rng)
+            if hit is not None:
+                rule, target = hit
+                key = (rule.source, self.model_label(model), self.model_label(target))
+                self.rewrite_decisions[key] += 1
+                self.metrics.model_rewrites(*key).inc()
+        if target is None or target == model:
+            return None
+        doc["model"] = target
+        return model
 
     def _served_models(self) -> set[str]:
         """The models the pool's endpoints serve (configured, or named by their metrics): a request's
@@ -340,11 +374,11 @@ class Director:
             pass
 
 
-def _rewrite_model(headers: Mapping[str, str], doc: dict[str, Any]) -> str | None:
-    """Apply MODEL_REWRITE_HEADER to the body: returns the client's model when it was replaced. A body
-    without a valid `model` is left for `build_request` to refuse (400); an empty header is no rewrite (as in
-    the reference). A value with a comma is refused (400): the header sent more than once (`header_map` joins
-    the copies), where the reference silently takes one copy."""
+def _header_target(headers: Mapping[str, str], doc: dict[str, Any]) -> str | None:
+    """The model MODEL_REWRITE_HEADER names, or None. A body without a valid `model` is left for
+    `build_request` to refuse (400); an empty header is no rewrite (as in the reference). A value with a comma
+    is refused (400): the header sent more than once (`header_map` joins the copies), where the reference
+    silently takes one copy."""
     target = headers.get(MODEL_REWRITE_HEADER, "").strip()
     model = doc.get("model")
     if not target or not isinstance(model, str) or not model:
@@ -354,10 +388,7 @@ def _rewrite_model(headers: Mapping[str, str], doc: dict[str, Any]) -> str | Non
         raise RequestError(
             400, "BadRequest", f"header {MODEL_REWRITE_HEADER!r} must name one model, once (got {got!r})"
         )
-    if target == model:
-        return None
-    doc["model"] = target
-    return model
+    return target
 
 
 __all__ = ["Director", "RequestError", "RoutedRequest"]

@@ -202,6 +202,11 @@ class EppMetrics:
         self.running = Children(
             Gauge("inference_objective_running_requests", "Requests in flight", ["model_name"], registry=r)
         )
+        self.model_rewrites = counter(
+            "inference_extension_model_rewrite_decisions_total",
+            "Requests whose model an InferenceModelRewrite rule rewrote",
+            ["model_rewrite_name", "model_name", "target_model"],
+        )
         self.scheduler_duration = Histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
             "Time spent in one scheduling cycle",

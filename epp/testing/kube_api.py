@@ -1,4 +1,5 @@
-"""A fake Kubernetes API server for tests: the real list/watch JSON for Pods and InferencePools.
+"""A fake Kubernetes API server for tests: the real list/watch JSON for Pods, InferencePools and
+InferenceModelRewrites (their objects and the helpers that change them: `kube_objects.py`).
 
 Serves `/api/v1/namespaces/{ns}/pods[/{name}]`,
 `/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools[/{name}]` and the older
@@ -20,9 +21,15 @@ resource with its own objects, as two CRDs are) over plain HTTP on loopback, as 
   `deletionGracePeriodSeconds: 0`, a MODIFIED event); it goes (DELETED) when an update empties its
   finalizers, as the API server does.
 
+InferenceModelRewrites are served at
+`/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencemodelrewrites[/{name}]` (and the
+same schema under `llm-d.ai/v1alpha2`, llm-d's group, as another resource);
+`rewrite_crd_installed=False` (`llmd_rewrite_crd_installed=False`) makes that resource 404.
+
 Tests change the world with `add_pod`/`update_pod`/`delete_pod`, `add_pool`/`put_pool`/
-`update_pool`/`delete_pool` (v1) and `add_alpha_pool`/`update_alpha_pool`/`delete_alpha_pool`
-(v1alpha2: `spec.selector` a plain label map, one `spec.targetPortNumber`); each bumps the
+`update_pool`/`delete_pool` (v1), `add_alpha_pool`/`update_alpha_pool`/`delete_alpha_pool`
+(v1alpha2: `spec.selector` a plain label map, one `spec.targetPortNumber`) and
+`add_rewrite`/`update_rewrite`/`put_rewrite`/`delete_rewrite` (InferenceModelRewrite); each bumps the
 resourceVersion and notifies the watchers.
 `write_kubeconfig()` writes a kubeconfig that points kubernetes-asyncio here (no TLS).
 """
@@ -41,24 +48,34 @@ from typing import Any
 
 from aiohttp import web
 
-POOL_GROUP = "inference.networking.k8s.io"
-POOL_VERSION = "v1"
-ALPHA_POOL_GROUP = "inference.networking.x-k8s.io"
-ALPHA_POOL_VERSION = "v1alpha2"
-PODS, POOLS = "pods", "inferencepools"
-ALPHA_POOLS = f"inferencepools.{ALPHA_POOL_GROUP}"  # the v1alpha2 resource (kubectl's resource.group)
-_KINDS = {
-    PODS: ("Pod", "v1"),
-    POOLS: ("InferencePool", f"{POOL_GROUP}/{POOL_VERSION}"),
-    ALPHA_POOLS: ("InferencePool", f"{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}"),
-}
+from epp.testing.kube_objects import (
+    ALPHA_POOL_GROUP,
+    ALPHA_POOL_VERSION,
+    ALPHA_POOLS,
+    KINDS,
+    LLMD_REWRITE_GROUP,
+    LLMD_REWRITES,
+    PODS,
+    POOL_GROUP,
+    POOL_VERSION,
+    POOLS,
+    REWRITE_GROUP,
+    REWRITE_VERSION,
+    REWRITES,
+    KubeObjects,
+    Obj,
+)
+
+__all__ = ["ALPHA_POOLS", "LLMD_REWRITES", "PODS", "POOLS", "REWRITES", "FakeKubeApi", "status_object"]
+
 _COLLECTIONS = {  # resource -> its collection path, with {ns}
     PODS: "/api/v1/namespaces/{ns}/pods",
     POOLS: f"/apis/{POOL_GROUP}/{POOL_VERSION}/namespaces/{{ns}}/inferencepools",
     ALPHA_POOLS: f"/apis/{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}/namespaces/{{ns}}/inferencepools",
+    REWRITES: f"/apis/{REWRITE_GROUP}/{REWRITE_VERSION}/namespaces/{{ns}}/inferencemodelrewrites",
+    LLMD_REWRITES: f"/apis/{LLMD_REWRITE_GROUP}/{REWRITE_VERSION}/namespaces/{{ns}}/inferencemodelrewrites",
 }
 
-Obj = dict[str, Any]
 Matcher = Callable[[Mapping[str, Any]], bool]
 
 
@@ -176,7 +193,7 @@ class _Watch:
         self.queue.put_nowait(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
 
-class FakeKubeApi:
+class FakeKubeApi(KubeObjects):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, gone_as: str = "event") -> None:
         if gone_as not in ("event", "status"):
             raise ValueError("gone_as is 'event' or 'status'")
@@ -185,9 +202,11 @@ class FakeKubeApi:
         self.gone_as = gone_as
         self.crd_installed = True  # inferencepools.inference.networking.k8s.io (v1) is served
         self.alpha_crd_installed = True  # inferencepools.inference.networking.x-k8s.io (v1alpha2) is served
+        self.rewrite_crd_installed = True  # inferencemodelrewrites.inference.networking.x-k8s.io is served
+        self.llmd_rewrite_crd_installed = True  # inferencemodelrewrites.llm-d.ai is served
         self.rv = 100
         self.compacted = 0  # a watch from a resourceVersion below this gets 410
-        self.objects: dict[str, dict[tuple[str, str], Obj]] = {r: {} for r in _KINDS}
+        self.objects: dict[str, dict[tuple[str, str], Obj]] = {r: {} for r in KINDS}
         self.history: list[_Change] = []
         self.requests: list[tuple[str, dict[str, str]]] = []  # (path, query) of every request
         self._failures: list[int] = []
@@ -264,7 +283,7 @@ current-context: fake
         """A BOOKMARK with the current resourceVersion to every watch that asked for bookmarks."""
         for w in self._watches:
             if w.bookmarks:
-                kind, api_version = _KINDS[w.resource]
+                kind, api_version = KINDS[w.resource]
                 w.send(
                     "BOOKMARK",
                     {"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": str(self.rv)}},
@@ -285,215 +304,12 @@ current-context: fake
         return len(self._watches)
 
     def watch_requests(self, resource: str) -> list[dict[str, str]]:
-        """Queries of the watch requests made for PODS, POOLS or ALPHA_POOLS, in order."""
+        """Queries of the watch requests made for a resource (PODS, POOLS, REWRITES, ...), in order."""
         return [q for p, q in self.requests if _is_collection(resource, p) and _true(q.get("watch"))]
 
     def list_requests(self, resource: str) -> list[dict[str, str]]:
-        """Queries of the list (not watch) requests made for PODS, POOLS or ALPHA_POOLS, in order."""
+        """Queries of the list (not watch) requests made for a resource (PODS, POOLS, ...), in order."""
         return [q for p, q in self.requests if _is_collection(resource, p) and not _true(q.get("watch"))]
-
-    # -- pods --------------------------------------------------------------------------------
-    def add_pod(
-        self,
-        name: str,
-        ip: str | None,
-        labels: Mapping[str, str],
-        *,
-        ready: bool = True,
-        namespace: str = "default",
-        annotations: Mapping[str, str] | None = None,
-    ) -> Obj:
-        status: Obj = {
-            "phase": "Running" if ip else "Pending",
-            "conditions": [
-                {"type": "PodScheduled", "status": "True"},
-                {"type": "Ready", "status": "True" if ready else "False"},
-            ],
-        }
-        if ip:
-            status["podIP"] = ip
-            status["podIPs"] = [{"ip": ip}]
-        obj: Obj = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "uid": f"pod-uid-{next(self._uids)}",
-                "labels": dict(labels),
-                "creationTimestamp": "2025-01-01T00:00:00Z",
-            },
-            "spec": {"containers": [{"name": "engine", "image": "vllm/vllm-openai"}]},
-            "status": status,
-        }
-        if annotations:
-            obj["metadata"]["annotations"] = dict(annotations)
-        return self.put(PODS, obj)
-
-    def update_pod(
-        self,
-        name: str,
-        *,
-        namespace: str = "default",
-        ready: bool | None = None,
-        ip: str | None = None,
-        labels: Mapping[str, str] | None = None,
-        deleting: bool | None = None,
-        annotations: Mapping[str, str] | None = None,
-    ) -> Obj:
-        """Change a pod; `annotations` replaces them all (`{}` removes them)."""
-        obj = self.get(PODS, namespace, name)
-        if ready is not None:
-            for c in obj["status"]["conditions"]:
-                if c["type"] == "Ready":
-                    c["status"] = "True" if ready else "False"
-        if ip is not None:
-            obj["status"]["podIP"] = ip
-            obj["status"]["podIPs"] = [{"ip": ip}]
-        if labels is not None:
-            obj["metadata"]["labels"] = dict(labels)
-        if annotations is not None:
-            if annotations:
-                obj["metadata"]["annotations"] = dict(annotations)
-            else:
-                obj["metadata"].pop("annotations", None)
-        if deleting is not None:
-            if deleting:
-                obj["metadata"]["deletionTimestamp"] = "2025-01-01T00:10:00Z"
-            else:
-                obj["metadata"].pop("deletionTimestamp", None)
-        return self.put(PODS, obj)
-
-    def delete_pod(self, name: str, namespace: str = "default") -> None:
-        self.delete(PODS, namespace, name)
-
-    # -- pools -------------------------------------------------------------------------------
-    def add_pool(
-        self,
-        name: str,
-        selector: Mapping[str, str],
-        ports: list[int],
-        *,
-        namespace: str = "default",
-        finalizers: list[str] | None = None,
-    ) -> Obj:
-        """A v1 InferencePool as the API server returns it (the CRD's defaults filled in)."""
-        meta: Obj = {
-            "name": name,
-            "namespace": namespace,
-            "uid": f"pool-uid-{next(self._uids)}",
-            "generation": 1,
-            "creationTimestamp": "2025-01-01T00:00:00Z",
-        }
-        if finalizers:
-            meta["finalizers"] = list(finalizers)
-        obj: Obj = {
-            "apiVersion": f"{POOL_GROUP}/{POOL_VERSION}",
-            "kind": "InferencePool",
-            "metadata": meta,
-            "spec": {
-                "selector": {"matchLabels": dict(selector)},
-                "targetPorts": [{"number": p} for p in ports],
-                "endpointPickerRef": {
-                    "group": "",
-                    "kind": "Service",
-                    "name": f"{name}-epp",
-                    "port": {"number": 9002},
-                    "failureMode": "FailClose",
-                },
-            },
-        }
-        return self.put(POOLS, obj)
-
-    def update_pool(
-        self,
-        name: str,
-        *,
-        namespace: str = "default",
-        selector: Mapping[str, str] | None = None,
-        ports: list[int] | None = None,
-        finalizers: list[str] | None = None,
-    ) -> Obj:
-        """Change a pool; `finalizers=[]` removes them (which completes a pending deletion)."""
-        obj = self.get(POOLS, namespace, name)
-        if selector is not None:
-            obj["spec"]["selector"] = {"matchLabels": dict(selector)}
-        if ports is not None:
-            obj["spec"]["targetPorts"] = [{"number": p} for p in ports]
-        _set_finalizers(obj, finalizers)
-        if selector is not None or ports is not None:
-            obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
-        return self.put(POOLS, obj)
-
-    def put_pool(self, obj: Obj) -> Obj:
-        """Store a pool object as given (e.g. a malformed one the CRD schema would have refused)."""
-        return self.put(POOLS, obj)
-
-    def delete_pool(self, name: str, namespace: str = "default") -> None:
-        """Delete a pool (with finalizers: only mark it, as the API server does)."""
-        self.delete(POOLS, namespace, name)
-
-    # -- v1alpha2 pools (inference.networking.x-k8s.io) ---------------------------------------
-    def add_alpha_pool(
-        self,
-        name: str,
-        selector: Mapping[str, str],
-        port: int,
-        *,
-        namespace: str = "default",
-        finalizers: list[str] | None = None,
-    ) -> Obj:
-        """A v1alpha2 InferencePool as the API server returns it (the CRD's defaults filled in):
-        `spec.selector` is the label map itself, `spec.targetPortNumber` the one port."""
-        meta: Obj = {
-            "name": name,
-            "namespace": namespace,
-            "uid": f"pool-uid-{next(self._uids)}",
-            "generation": 1,
-            "creationTimestamp": "2025-01-01T00:00:00Z",
-        }
-        if finalizers:
-            meta["finalizers"] = list(finalizers)
-        obj: Obj = {
-            "apiVersion": f"{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}",
-            "kind": "InferencePool",
-            "metadata": meta,
-            "spec": {
-                "selector": dict(selector),
-                "targetPortNumber": port,
-                "extensionRef": {
-                    "group": "",
-                    "kind": "Service",
-                    "name": f"{name}-epp",
-                    "failureMode": "FailClose",
-                },
-            },
-        }
-        return self.put(ALPHA_POOLS, obj)
-
-    def update_alpha_pool(
-        self,
-        name: str,
-        *,
-        namespace: str = "default",
-        selector: Mapping[str, str] | None = None,
-        port: int | None = None,
-        finalizers: list[str] | None = None,
-    ) -> Obj:
-        """Change a v1alpha2 pool; `finalizers=[]` removes them (which completes a pending deletion)."""
-        obj = self.get(ALPHA_POOLS, namespace, name)
-        if selector is not None:
-            obj["spec"]["selector"] = dict(selector)
-        if port is not None:
-            obj["spec"]["targetPortNumber"] = port
-        _set_finalizers(obj, finalizers)
-        if selector is not None or port is not None:
-            obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
-        return self.put(ALPHA_POOLS, obj)
-
-    def delete_alpha_pool(self, name: str, namespace: str = "default") -> None:
-        """Delete a v1alpha2 pool (with finalizers: only mark it, as the API server does)."""
-        self.delete(ALPHA_POOLS, namespace, name)
 
     # -- the store ---------------------------------------------------------------------------
     def get(self, resource: str, namespace: str, name: str) -> Obj:
@@ -571,8 +387,11 @@ current-context: fake
         self.requests.append((request.path, dict(request.query)))
         if self._failures:
             return _error(self._failures.pop(0), "injected failure")
-        if (resource == POOLS and not self.crd_installed) or (
-            resource == ALPHA_POOLS and not self.alpha_crd_installed
+        if (
+            (resource == POOLS and not self.crd_installed)
+            or (resource == ALPHA_POOLS and not self.alpha_crd_installed)
+            or (resource == REWRITES and not self.rewrite_crd_installed)
+            or (resource == LLMD_REWRITES and not self.llmd_rewrite_crd_installed)
         ):
             return _error(404, "the server could not find the requested resource")
         return None
@@ -591,7 +410,7 @@ current-context: fake
             resource, request.match_info["ns"], labels, fields, _true(q.get("allowWatchBookmarks"))
         )
         if not _true(q.get("watch")):
-            kind, api_version = _KINDS[resource]
+            kind, api_version = KINDS[resource]
             items = [
                 o
                 for (ns, _), o in sorted(self.objects[resource].items())
@@ -653,14 +472,6 @@ current-context: fake
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
         return resp
-
-
-def _set_finalizers(obj: Obj, finalizers: list[str] | None) -> None:
-    if finalizers is not None:
-        if finalizers:
-            obj["metadata"]["finalizers"] = list(finalizers)
-        else:
-            obj["metadata"].pop("finalizers", None)
 
 
 def _is_collection(resource: str, path: str) -> bool:

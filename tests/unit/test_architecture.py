@@ -27,6 +27,7 @@ PURE = [
     "epp/testing/kv_wire.py",
     "epp/discovery/pool.py",
     "epp/discovery/settings.py",
+    "epp/discovery/rewrites.py",
     "epp/demo/workload.py",
     "epp/demo/report.py",
     "simulator/kernel.py",

@@ -13,7 +13,7 @@ import pytest
 from epp.cli import _discovery, main
 from epp.config import default_config
 from epp.discovery.pool import PoolError, parse_pool, pod_endpoints, pool_endpoints
-from epp.discovery.settings import GROUP_V1, GROUP_V1ALPHA2, DiscoverySettings
+from epp.discovery.settings import GROUP_V1, GROUP_V1ALPHA2, REWRITE_GROUP, DiscoverySettings
 
 LOCAL = ["--host", "127.0.0.1", "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
 SELECTOR = {"app": "vllm", "model": "llama"}
@@ -130,6 +130,7 @@ def args_for(**kw: Any) -> argparse.Namespace:
     base: dict[str, Any] = {
         "pool_name": "pool",
         "pool_group": None,
+        "model_rewrite_group": None,
         "pool_namespace": None,
         "kubeconfig": None,
         "endpoints": [],
@@ -170,3 +171,33 @@ def test_a_known_group_goes_on_to_the_credentials(capsys: pytest.CaptureFixture[
 def test_the_group_needs_pool_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--endpoints", "10.0.0.1:8000", "--pool-group", GROUP_V1ALPHA2, *LOCAL]) == 2
     assert "'--pool-group': needs --pool-name" in capsys.readouterr().err
+
+
+def test_the_model_rewrite_group_flag_reaches_the_settings(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    env = {"NAMESPACE": "inference", "KUBECONFIG": "/kc"}
+    settings = _discovery(args_for(model_rewrite_group="llm-d.ai"), default_config(), env)
+    assert settings is not None and settings.rewrite_group == "llm-d.ai"
+    default = _discovery(args_for(), default_config(), env)
+    assert default is not None and default.rewrite_group == REWRITE_GROUP
+    missing = str(tmp_path / "nope")
+    args = [
+        "serve",
+        "--pool-name",
+        "p",
+        "--model-rewrite-group",
+        "example.com",
+        "--kubeconfig",
+        missing,
+        *LOCAL,
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "field '--model-rewrite-group': --model-rewrite-group 'example.com' is not an InferenceModelRewrite"
+        in err
+    )
+    assert REWRITE_GROUP in err and "llm-d.ai" in err
+    assert main(["serve", "--endpoints", "10.0.0.1:8000", "--model-rewrite-group", "llm-d.ai", *LOCAL]) == 2
+    assert "'--model-rewrite-group': needs --pool-name" in capsys.readouterr().err
