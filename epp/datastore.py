@@ -80,6 +80,7 @@ class Datastore:
         self.unhealthy_after_failures = unhealthy_after_failures
         self._records: dict[EndpointId, EndpointRecord] = {}
         self._healthy_views: list[Endpoint] | None = None
+        self._served: frozenset[str] | None = None  # `served_models`, until the next change
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self._seq = itertools.count()
 
@@ -97,12 +98,12 @@ class Datastore:
         self._records[endpoint_id] = EndpointRecord(
             endpoint_id, model, dict(labels or {}), added_at=self.clock.now()
         )
-        self._healthy_views = None
+        self._healthy_views = self._served = None
         return True
 
     def remove_endpoint(self, endpoint_id: EndpointId) -> bool:
         removed = self._records.pop(endpoint_id, None) is not None
-        self._healthy_views = None
+        self._healthy_views = self._served = None
         return removed
 
     def set_endpoints(self, endpoints: Iterable[tuple[EndpointId, str | None]]) -> tuple[set[str], set[str]]:
@@ -113,6 +114,21 @@ class Datastore:
             self.remove_endpoint(ep)
         added = {ep for ep, model in wanted.items() if self.add_endpoint(ep, model)}
         return added, removed
+
+    def served_models(self) -> frozenset[str]:
+        """Every model name the endpoints serve: configured, named by their metrics, and the LoRA adapters
+        their metrics list as running or waiting. Kept until the endpoints or their metrics change."""
+        served = self._served
+        if served is None:
+            names: set[str] = set()
+            for rec in self._records.values():
+                if rec.model:
+                    names.add(rec.model)
+                m = rec.metrics
+                if m is not None:
+                    names.update(m.models, m.running_lora_adapters, m.waiting_lora_adapters)
+            served = self._served = frozenset(names)
+        return served
 
     def ids(self) -> list[EndpointId]:
         return list(self._records)
@@ -235,7 +251,7 @@ class Datastore:
 
     def _changed(self, rec: EndpointRecord) -> None:
         rec.touch()
-        self._healthy_views = None
+        self._healthy_views = self._served = None
 
 
 def _floor(work: PrefillWork) -> PrefillWork:

@@ -103,6 +103,15 @@ def _check_prompt(prompt: Any, name: str = "prompt") -> tuple[str | list[int], i
     )
 
 
+def _batch_rest(prompt: Any, tokens: int) -> int:
+    """Of a checked prompt's estimate `tokens`, what a batch's items after the first take (0 unless a batch):
+    the engine prefills them too, on the same pod, with no cache credit."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        first = prompt[0]
+        return tokens - (_text_tokens(first) if isinstance(first, str) else len(first))
+    return 0
+
+
 def _check_messages(
     messages: Any, name: str = "messages", *, may_be_empty: bool = False
 ) -> tuple[list[dict[str, Any]], int]:
@@ -277,6 +286,7 @@ def build_request(
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is missing or not a non-empty string")
     model = sglang_adapter(model, served_models) or model
+    batch = 0  # a batch's tokens beyond its first item
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     tokens = 0
@@ -289,6 +299,7 @@ def build_request(
         chat = _chat_options(body)
     elif "prompt" in body:
         prompt, tokens = _check_prompt(body["prompt"])
+        batch = _batch_rest(body["prompt"], tokens)
     elif kind is ApiKind.COMPLETIONS and body.get("prompt_embeds") is not None:
         known = _prompt_embeds(body["prompt_embeds"])
     elif kind is ApiKind.EMBEDDINGS and "input" in body:
@@ -297,6 +308,7 @@ def build_request(
             messages, tokens = _check_messages(inp, "input")
         else:
             prompt, tokens = _check_prompt(inp, "input")
+            batch = _batch_rest(inp, tokens)
     else:
         raise bad_request("request needs 'prompt' or 'messages' (or 'prompt_embeds' for a completion)")
     if messages is not None and _own_template(body, kind) and known is None:
@@ -329,6 +341,7 @@ def build_request(
         priority=priority,
         body_bytes=body_bytes,
         prompt_tokens_estimate=tokens,
+        batch_tokens=batch,
         cache_salt=cache_salt,
         chat=chat,
         tokens=known,

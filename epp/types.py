@@ -226,6 +226,10 @@ class InferenceRequest:
     priority: int = 0
     body_bytes: int = 0
     prompt_tokens_estimate: int = 0
+    # a completion's batch of prompts (a list of strings or token-id lists): the estimated tokens of its items
+    # after the first (in `prompt_tokens_estimate` too), which the engine prefills on the same pod with no
+    # cache credit (only the first item, `prompt`, is keyed)
+    batch_tokens: int = 0
     cache_salt: str | None = None
     chat: ChatOptions | None = None  # None: the defaults
     tokens: PromptTokens | None = None  # None: tokenized when a scorer needs them

@@ -193,9 +193,9 @@ class ModelRewriteWatcher:
             log.exception("model rewrites: the listener failed")
 
     # -- errors ----------------------------------------------------------------------------
-    def _count_error(self, kind: str) -> None:
+    def _count_error(self, kind: str, *, observed: bool = True) -> None:
         self.errors[kind] += 1
-        if self.observer is not None:
+        if observed and self.observer is not None:
             self.observer.on_discovery_error(REWRITE, kind)
 
     async def _failed(self, err: Exception, backoff: _Backoff, gone_streak: int) -> None:
@@ -204,8 +204,10 @@ class ModelRewriteWatcher:
             self.events["error"] += 1
             if self.observer is not None:
                 self.observer.on_discovery_event(REWRITE, "error")
-        self._count_error(kind)
         repeated = kind == self._last_error
+        # A missing CRD (most clusters) or a Role without the rule is retried every backoff_max seconds for
+        # as long as it lasts: the metric counts each such streak once, not every retry.
+        self._count_error(kind, observed=not (repeated and kind in ("not_found", "forbidden")))
         self._last_error = kind
         where = f"{self.resource} in namespace {self.settings.namespace}"
         if kind == "gone":

@@ -165,7 +165,8 @@ class Director:
         if incoming is not None and new_body is None:
             new_body = _encoder.encode(doc)
         model = doc.get("model") if doc is not None else None
-        served = self._served_models() if isinstance(model, str) and ":" in model else ()
+        # SGLang's `<base>:<adapter>` (`requests.sglang_adapter`) against every name the pool serves
+        served = self.datastore.served_models() if isinstance(model, str) and ":" in model else ()
         request = build_request(
             headers, doc, self.objectives, len(body) if body is not None else 0, served_models=served
         )
@@ -192,17 +193,6 @@ class Director:
             return None
         doc["model"] = target
         return model
-
-    def _served_models(self) -> set[str]:
-        """The models the pool's endpoints serve (configured, or named by their metrics): a request's
-        `<one of them>:<adapter>` is SGLang's adapter syntax (`requests.sglang_adapter`)."""
-        served: set[str] = set()
-        for rec in self.datastore.records():
-            if rec.model:
-                served.add(rec.model)
-            if rec.metrics is not None:
-                served.update(rec.metrics.models)
-        return served
 
     def route_parsed(
         self,

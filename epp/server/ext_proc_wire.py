@@ -5,6 +5,7 @@ metadata, body echoes, immediate error responses). `ext_proc.py` runs the stream
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 from dataclasses import dataclass
@@ -63,7 +64,21 @@ class SubsetHint:
 
 def subset_entry(entry: str) -> str | None:
     """One subset entry, normalised (see `SubsetHint`), or None when it is neither `ip:port` nor an IP. A
-    bare IPv6 address is read whole before any `:port` (`fd00::80` is an address, not `fd00:` port 80)."""
+    bare IPv6 address is read whole before any `:port` (`fd00::80` is an address, not `fd00:` port 80).
+    Memoised for entries of an address's length: a gateway sends the same pods' entries with every request
+    (parsing one costs ~9 us)."""
+    return _known_entry(entry) if len(entry) <= _MEMO_CHARS else _parse_entry(entry)
+
+
+_MEMO_CHARS = 64  # "[ffff:...:ffff]:65535" is 47
+
+
+@functools.lru_cache(maxsize=8192)
+def _known_entry(entry: str) -> str | None:
+    return _parse_entry(entry)
+
+
+def _parse_entry(entry: str) -> str | None:
     entry = entry.strip()
     bracketed = entry.startswith("[") and entry.endswith("]")
     try:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import pathlib
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -79,10 +80,10 @@ class Tables:
 
 @contextlib.asynccontextmanager
 async def watching(
-    api: FakeKubeApi, tmp_path: pathlib.Path, group: str = GROUP_V1, **kw: Any
+    api: FakeKubeApi, tmp_path: pathlib.Path, group: str = GROUP_V1, observer: Any = None, **kw: Any
 ) -> AsyncIterator[tuple[ModelRewriteWatcher, Tables]]:
     tables = Tables()
-    w = ModelRewriteWatcher(settings_for(api, tmp_path, group, **kw), tables)
+    w = ModelRewriteWatcher(settings_for(api, tmp_path, group, **kw), tables, observer=observer)
     await w.start()
     try:
         yield w, tables
@@ -216,8 +217,21 @@ async def test_without_the_crd_it_is_logged_once_and_retried(
     caplog.set_level(logging.INFO, "epp.discovery.rewrites")
     api.rewrite_crd_installed = False
     api.add_rewrite("canary", POOL, [exact("m", ("m-v2", None))])
-    async with watching(api, tmp_path) as (w, tables):
+    observed = Counter[str]()
+
+    class Observer:
+        def on_discovery_list(self, resource: str) -> None:
+            observed["list"] += 1
+
+        def on_discovery_event(self, resource: str, kind: str) -> None:
+            observed[kind] += 1
+
+        def on_discovery_error(self, resource: str, kind: str) -> None:
+            observed[kind] += 1
+
+    async with watching(api, tmp_path, observer=Observer()) as (w, tables):
         await eventually(lambda: w.errors["not_found"] >= 3, "retried")
+        assert observed["not_found"] == 1  # the metric counts the streak once, not every retry
         assert tables.target("m") is None and not w.listed
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1
@@ -227,10 +241,11 @@ async def test_without_the_crd_it_is_logged_once_and_retried(
         )
         api.rewrite_crd_installed = True
         await eventually(lambda: tables.target("m") == "m-v2", "read once the CRD is served")
-        # the CRD removed while watching: no rewrites, until it is back
+        # the CRD removed while watching: no rewrites, until it is back (a new streak, counted again)
         api.rewrite_crd_installed = False
         api.end_watches()
         await eventually(lambda: tables.target("m") is None, "the resource gone: no rewrites")
+        assert observed["not_found"] == 2
         api.rewrite_crd_installed = True
         await eventually(lambda: tables.target("m") == "m-v2", "back")
 

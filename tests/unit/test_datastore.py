@@ -217,3 +217,20 @@ def test_views_are_rebuilt_when_the_backlog_changes() -> None:
     ds.first_token(t)
     assert _view(ds).prefill_backlog == NO_WORK
     assert during.prefill_backlog == W1
+
+
+def test_served_models_follow_the_endpoints_and_their_metrics() -> None:
+    clock = FakeClock()
+    ds = Datastore(clock)
+    assert ds.served_models() == frozenset()
+    ds.add_endpoint("10.0.0.1:80", "base")
+    assert ds.served_models() == {"base"}
+    snap = MetricsSnapshot(
+        observed_at=clock.now(), models=frozenset({"m2"}), waiting_lora_adapters=frozenset({"sql"})
+    )
+    ds.record_metrics("10.0.0.1:80", snap)
+    assert ds.served_models() == {"base", "m2", "sql"}
+    ds.add_endpoint("10.0.0.2:80", "other")
+    assert ds.served_models() == {"base", "m2", "sql", "other"}
+    ds.remove_endpoint("10.0.0.1:80")
+    assert ds.served_models() == {"other"}

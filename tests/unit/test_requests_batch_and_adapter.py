@@ -51,7 +51,10 @@ def keys(request: InferenceRequest) -> list[int]:
 def test_a_token_id_batch_is_keyed_as_its_first_prompt_alone() -> None:
     batch = build({"model": "m", "prompt": [A, B]})
     single = build({"model": "m", "prompt": A})
-    assert batch.prompt == A and batch.prompt_tokens_estimate == len(A) + len(B)
+    assert (
+        batch.prompt == A and batch.prompt_tokens_estimate == len(A) + len(B) and batch.batch_tokens == len(B)
+    )
+    assert build({"model": "m", "prompt": A}).batch_tokens == 0  # a list of ints is one prompt
     assert keys(batch) == keys(single) == [int(k) for k in block_keys(A, BS, root_key("m"))]
     # not the joined prompt's keys (what the EPP computed before): its 4th block would span A and B
     assert len(keys(build({"model": "m", "prompt": A + B}))) == 5
@@ -69,12 +72,14 @@ def test_a_token_id_batch_is_keyed_as_its_first_prompt_alone() -> None:
 def test_batches_key_their_first_item_and_count_every_item(prompt: Any, keyed: Any, estimate: int) -> None:
     r = build({"model": "m", "prompt": prompt, "max_tokens": 3, "stream": True})
     assert r.prompt == keyed and r.prompt_tokens_estimate == estimate
+    first = len(keyed) if isinstance(keyed, list) else (len(keyed) + 3) // 4
+    assert r.batch_tokens == estimate - first  # the items after the first
     assert r.max_tokens == 3 and r.stream  # the rest of the body is kept
 
 
 def test_an_embeddings_batch_is_keyed_as_its_first_input() -> None:
     r = build({"model": "m", "input": ["first", "second input"]}, EMBED)
-    assert r.prompt == "first" and r.prompt_tokens_estimate == 2 + 3
+    assert r.prompt == "first" and r.prompt_tokens_estimate == 2 + 3 and r.batch_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -151,11 +156,14 @@ def test_the_director_reads_sglang_adapter_names_against_the_pools_models() -> N
     """The served models come from the endpoints (configured, or named by their metrics): `base:sql` is
     keyed as adapter `sql` once an endpoint serves `base`, and left alone otherwise."""
 
-    def parsed_model(configured: str | None, by_metrics: frozenset[str]) -> str:
+    def parsed_model(
+        configured: str | None, by_metrics: frozenset[str], adapters: frozenset[str] = frozenset()
+    ) -> str:
         clock = FakeClock()
         ds = Datastore(clock)
         ds.add_endpoint("10.0.0.1:80", configured)
-        ds.record_metrics("10.0.0.1:80", MetricsSnapshot(observed_at=clock.now(), models=by_metrics))
+        snapshot = MetricsSnapshot(observed_at=clock.now(), models=by_metrics, running_lora_adapters=adapters)
+        ds.record_metrics("10.0.0.1:80", snapshot)
         sched = build_scheduler(default_config(), default_registry(), clock, random.Random(0))
         d = Director(ds, sched, EppMetrics(), clock, {})
         raw = json.dumps({"model": "base:sql", "prompt": "hello"}).encode()
@@ -164,3 +172,5 @@ def test_the_director_reads_sglang_adapter_names_against_the_pools_models() -> N
     assert parsed_model("base", frozenset()) == "sql"
     assert parsed_model(None, frozenset({"base"})) == "sql"
     assert parsed_model("other", frozenset({"other"})) == "base:sql"
+    # a vLLM adapter whose own name is `<base>:<x>` is served under that name: not split
+    assert parsed_model("base", frozenset(), frozenset({"base:sql"})) == "base:sql"

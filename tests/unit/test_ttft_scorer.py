@@ -511,3 +511,28 @@ def test_own_backlog_from_the_datastore_moves_the_next_pick() -> None:
 def test_prefill_work_of_the_estimate_is_what_joins_the_backlog() -> None:
     _, st = score(make_scorer(), token_request(list(range(3000))), [endpoint("a:1")])
     assert st.data[ESTIMATES]["a:1"].work == PrefillWork(1, 3000, 3000 * 1500.0)
+
+
+def test_a_batchs_other_items_are_prefilled_on_the_pod_with_no_credit() -> None:
+    """A completion's batch keys its first item only; the engine prefills every item on the pod picked, so
+    the estimate counts the rest (`batch_tokens`) as uncached prompt."""
+    svc = kv_service()
+    prompt = list(range(4096))
+    hold(svc, "a:1", prompt, "gpu", 1)
+    fresh(svc, "b:1")
+    single = token_request(prompt)
+    batch = InferenceRequest(
+        single.request_id,
+        single.api_kind,
+        "m",
+        prompt=prompt,
+        prompt_tokens_estimate=4096 + 1000,
+        batch_tokens=1000,
+    )
+    _, st1 = score(make_scorer({KV_KEY: svc}), single, [endpoint("a:1"), endpoint("b:1")])
+    _, st2 = score(make_scorer({KV_KEY: svc}), batch, [endpoint("a:1"), endpoint("b:1")])
+    one, both = st1.data[ESTIMATES], st2.data[ESTIMATES]
+    for pod in ("a:1", "b:1"):
+        assert both[pod].prompt_tokens == one[pod].prompt_tokens + 1000
+        assert both[pod].cached_tokens == one[pod].cached_tokens  # only the first item is credited
+        assert both[pod].ttft_s > one[pod].ttft_s

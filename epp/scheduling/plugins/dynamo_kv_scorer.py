@@ -52,7 +52,7 @@ class DynamoKvScorer:
         kv = self.service
         bs = kv.block_size
         tokens, keys = prompt_info(state, request, kv)
-        n_tokens = request.prompt_tokens_estimate if tokens is None else tokens
+        n_tokens = request.prompt_tokens_estimate if tokens is None else tokens + request.batch_tokens
         credit = np.zeros(len(endpoints))
         if keys is None:
             load_only(state)

@@ -107,6 +107,8 @@ class TtftScorer:
         if tokens is None or keys is None:
             load_only(state)
             return request.prompt_tokens_estimate, {}
+        first = tokens  # (a batch's first item, the prompt keyed)
+        tokens += request.batch_tokens  # a batch's other items: prefilled too, never credited
         pods = creditable(state, kv, endpoints)
         if not pods or len(keys) == 0:
             return tokens, {}
@@ -121,6 +123,8 @@ class TtftScorer:
             for pod, blocks in self.speculative.prefix(prompt_key_list(state, keys), pods, state.now).items():
                 np.maximum(runs[:, at[pod]], blocks, out=runs[:, at[pod]])
         bs = kv.block_size
+        if request.batch_tokens:  # the estimate's cap (the last prompt token computed) is the first item's
+            np.minimum(runs, max(first - 1, 0) // bs, out=runs)
         out: dict[str, F64] = {}
         previous = np.zeros(len(endpoints), dtype=np.int64)
         for tier, run in zip(order, runs, strict=True):
