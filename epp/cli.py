@@ -12,7 +12,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from epp.clock import MonotonicClock
 from epp.config import (
@@ -26,13 +26,8 @@ from epp.config import (
 from epp.config_sections import ConfigError
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
 from epp.costmodel.service import CostModel
-from epp.discovery.settings import (
-    GROUP_V1,
-    REWRITE_GROUP,
-    DiscoverySettings,
-    resolve_kubeconfig,
-    resolve_namespace,
-)
+from epp.discovery.flags import add_discovery_flags, discovery_settings
+from epp.discovery.settings import DiscoverySettings
 from epp.durations import parse_duration
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
@@ -163,29 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long open ext_proc streams (responses still streaming) may finish "
         "before they are cut (default 1s; match it to the pod's termination grace period)",
     )
-    s.add_argument(
-        "--pool-name",
-        help="InferencePool whose pods are the endpoints (Kubernetes discovery; instead of --endpoints); "
-        "also the name label of the pool metrics (default: default)",
-    )
-    s.add_argument(
-        "--pool-group",
-        help=f"API group of the InferencePool: {GROUP_V1} (v1, the default) or "
-        "inference.networking.x-k8s.io (the older v1alpha2)",
-    )
-    s.add_argument(
-        "--model-rewrite-group",
-        help=f"API group of the InferenceModelRewrite objects (v1alpha2) watched: {REWRITE_GROUP} "
-        "(the default) or llm-d.ai (llm-d's router)",
-    )
-    s.add_argument(
-        "--pool-namespace",
-        help="namespace of the InferencePool (default: $NAMESPACE, $POD_NAMESPACE, else default)",
-    )
-    s.add_argument(
-        "--kubeconfig",
-        help="kubeconfig for discovery (default: $KUBECONFIG, else the in-cluster service account)",
-    )
+    add_discovery_flags(s)
     s.add_argument("--seed", type=int, default=None, help="seed for tie-breaking (default: random)")
     s.add_argument(
         "--enable-debug-endpoints",
@@ -273,43 +246,6 @@ def _check(cfg: EppConfig, *, tokenizers: bool = True) -> None:
     build_scheduler(cfg, default_registry(), MonotonicClock(), random.Random(0), services=services)
 
 
-def _discovery(
-    args: argparse.Namespace, cfg: EppConfig, environ: Mapping[str, str]
-) -> DiscoverySettings | None:
-    """Discovery settings when `--pool-name` is given; ConfigError when it clashes with static endpoints."""
-    if args.pool_name is None:
-        for flag, value in (
-            ("--pool-group", args.pool_group),
-            ("--model-rewrite-group", args.model_rewrite_group),
-            ("--pool-namespace", args.pool_namespace),
-            ("--kubeconfig", args.kubeconfig),
-        ):
-            if value is not None:
-                raise ConfigError("flags", "", flag, "needs --pool-name (Kubernetes discovery)")
-        return None
-    if args.endpoints or cfg.endpoints:
-        where = "--endpoints" if args.endpoints else f"the endpoints of {cfg.source}"
-        raise ConfigError(
-            "flags",
-            "",
-            "--pool-name",
-            f"Kubernetes discovery cannot be combined with static endpoints ({where}); use one or the other",
-        )
-    settings = DiscoverySettings(
-        pool_name=args.pool_name,
-        namespace=resolve_namespace(args.pool_namespace, environ),
-        pool_group=GROUP_V1 if args.pool_group is None else args.pool_group,
-        rewrite_group=REWRITE_GROUP if args.model_rewrite_group is None else args.model_rewrite_group,
-        kubeconfig=resolve_kubeconfig(args.kubeconfig, environ),
-    )
-    problem = settings.check()
-    if problem is not None:
-        flags = ("--pool-group", "--model-rewrite-group")
-        flag = next((f for f in flags if problem.startswith(f + " ")), "--pool-name")
-        raise ConfigError("flags", "", flag, problem)
-    return settings
-
-
 async def _serve(
     args: argparse.Namespace, cfg: EppConfig, discovery: DiscoverySettings | None = None
 ) -> None:
@@ -382,14 +318,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = _load(args)
         if args.unhealthy_after < 1:
             raise ConfigError("flags", "", "--unhealthy-after", "must be >= 1")
-        discovery = _discovery(args, cfg, os.environ)
+        discovery = discovery_settings(args, cfg, os.environ)
         if not cfg.endpoints and not args.endpoints and discovery is None:
             raise ConfigError(
                 cfg.source,
                 "",
                 "endpoints",
                 "no endpoints: pass --endpoints, list them in the config, "
-                "or --pool-name for Kubernetes discovery",
+                "or --pool-name / --endpoint-selector for Kubernetes discovery",
             )
         logging.basicConfig(
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

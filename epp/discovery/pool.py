@@ -2,7 +2,8 @@
 
 Objects are the API server's JSON as plain mappings (core `v1` `Pod`, and the `InferencePool` of
 `inference.networking.k8s.io/v1` or of the older `inference.networking.x-k8s.io/v1alpha2`). Both
-reduce to one `PoolSpec` (a label map every label of which must match, and target ports), as the
+reduce to one `PoolSpec` (a label selector -- for a pool, equality on every label of its map -- and
+target ports; selector mode builds one from `--endpoint-selector`), as the
 reference EPP reduces them (`InferencePoolToEndPointsPool` / `AlphaInferencePoolToEndPointsPool`):
 v1 gives `spec.selector.matchLabels` and `spec.targetPorts[].number`; v1alpha2 gives `spec.selector`
 (a plain label map) and its one `spec.targetPortNumber`. A pool with `metadata.deletionTimestamp` is
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from epp.config import parse_endpoint_address
+from epp.discovery.selector import EQ, LabelSelector
 from epp.discovery.settings import GROUP_V1, GROUP_V1ALPHA2, POOL_VERSIONS
 
 GROUP = GROUP_V1  # the default API group (`--pool-group`)
@@ -40,16 +42,17 @@ class PoolError(ValueError):
 @dataclass(frozen=True, slots=True)
 class PoolSpec:
     name: str
-    selector: tuple[tuple[str, str], ...]  # sorted (label, value) pairs, all of which must match
+    selector: LabelSelector  # the pods it matches are the pool's
     ports: tuple[int, ...]
 
     @property
     def labels(self) -> dict[str, str]:
-        return dict(self.selector)
+        """The labels the selector requires equal (all of a pool's)."""
+        return {r.key: r.values[0] for r in self.selector.requirements if r.op == EQ}
 
     def label_selector(self) -> str:
         """The selector as the API's `labelSelector` query parameter."""
-        return ",".join(f"{k}={v}" for k, v in self.selector)
+        return str(self.selector)
 
 
 def parse_pool(obj: Any, group: str = GROUP_V1) -> PoolSpec:
@@ -70,7 +73,7 @@ def parse_pool(obj: Any, group: str = GROUP_V1) -> PoolSpec:
         selector, ports = _v1_selector(spec, where), _v1_ports(spec, where)
     else:
         raise PoolError(f"{where}: unknown InferencePool API group {group!r}")
-    return PoolSpec(name, selector, ports)
+    return PoolSpec(name, LabelSelector.from_labels(selector), ports)
 
 
 def _labels(match: Any, field: str, where: str) -> tuple[tuple[str, str], ...]:
@@ -144,7 +147,7 @@ def exclusion(pod: Mapping[str, Any], pool: PoolSpec) -> str | None:
     meta = meta if isinstance(meta, Mapping) else {}
     labels = meta.get("labels")
     labels = labels if isinstance(labels, Mapping) else {}
-    if any(labels.get(k) != v for k, v in pool.selector):
+    if not pool.selector.matches(labels):
         return "selector"
     if being_deleted(pod):
         return "deleting"

@@ -1,10 +1,13 @@
-"""What Kubernetes discovery needs to know: the pool (API group, name, namespace), where the API
-server is, and how patiently to retry (pure; resolved from flags and the environment by the CLI)."""
+"""What Kubernetes discovery needs to know: the pool (API group, name, namespace) -- or, in selector
+mode, a label selector and target ports instead of a pool --, where the API server is, and how
+patiently to retry (pure; resolved from flags and the environment by the CLI)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from epp.discovery.selector import LabelSelector
 
 NAMESPACE_ENVS = ("NAMESPACE", "POD_NAMESPACE")
 # `--pool-group` -> the InferencePool version served in it (as the reference EPP's `--pool-group`).
@@ -16,11 +19,12 @@ REWRITE_GROUP = "inference.networking.x-k8s.io"
 REWRITE_VERSION = "v1alpha2"
 REWRITE_PLURAL = "inferencemodelrewrites"
 REWRITE_GROUPS = (REWRITE_GROUP, "llm-d.ai")  # llm-d's router serves the same schema as llm-d.ai/v1alpha2
+MAX_TARGET_PORTS = 8  # as InferencePool `spec.targetPorts` and the reference's `--endpoint-target-ports`
 
 
 @dataclass(frozen=True, slots=True)
 class DiscoverySettings:
-    pool_name: str
+    pool_name: str = ""  # the InferencePool; empty in selector mode
     namespace: str = "default"
     pool_group: str = GROUP_V1  # which InferencePool API: v1, or the older v1alpha2 (x-k8s)
     kubeconfig: str | None = None  # None: the in-cluster service account
@@ -29,11 +33,25 @@ class DiscoverySettings:
     watch_timeout: int = 300  # server-side timeoutSeconds of one watch request; then re-watch
     request_timeout: float = 30.0  # one list request (connect and read)
     rewrite_group: str = REWRITE_GROUP  # where InferenceModelRewrite objects are read (`REWRITE_VERSION`)
+    # Selector mode (the reference's `--endpoint-selector` / `--endpoint-target-ports`): the pods of
+    # `namespace` this selects are the endpoints, on these ports; no InferencePool is read.
+    endpoint_selector: LabelSelector | None = None
+    target_ports: tuple[int, ...] = ()
+
+    @property
+    def selector_mode(self) -> bool:
+        return self.endpoint_selector is not None
 
     def check(self) -> str | None:
         """A message about the first invalid setting, or None."""
-        if not self.pool_name:
+        if self.endpoint_selector is not None:
+            problem = self._check_selector_mode(self.endpoint_selector)
+            if problem is not None:
+                return problem
+        elif not self.pool_name:
             return "--pool-name must not be empty"
+        elif self.target_ports:
+            return "--endpoint-target-ports needs --endpoint-selector (a pool names its own target ports)"
         if not self.namespace:
             return "--pool-namespace must not be empty"
         if self.pool_group not in POOL_VERSIONS:
@@ -50,6 +68,16 @@ class DiscoverySettings:
         if self.watch_timeout < 1 or self.request_timeout <= 0:
             return "watch and request timeouts must be positive"
         return None
+
+    def _check_selector_mode(self, selector: LabelSelector) -> str | None:
+        if self.pool_name:
+            return (
+                "--pool-name and --endpoint-selector cannot be used together: the endpoints come from "
+                "an InferencePool or from a label selector, not both"
+            )
+        if not selector.requirements:
+            return "--endpoint-selector must not be empty (it would select every pod of the namespace)"
+        return check_target_ports(self.target_ports)
 
     @property
     def pool_version(self) -> str:
@@ -74,3 +102,39 @@ def resolve_kubeconfig(flag: str | None, environ: Mapping[str, str]) -> str | No
         return flag
     value = environ.get("KUBECONFIG", "").strip()
     return value or None
+
+
+def check_target_ports(ports: Sequence[int]) -> str | None:
+    """A message when `ports` are not 1 to `MAX_TARGET_PORTS` distinct port numbers, or None."""
+    if not ports:
+        return "--endpoint-selector needs --endpoint-target-ports (the pods' ports to route to)"
+    if len(ports) > MAX_TARGET_PORTS:
+        return f"--endpoint-target-ports has {len(ports)} ports, at most {MAX_TARGET_PORTS}"
+    for port in ports:
+        if not 0 < port < 65536:
+            return f"--endpoint-target-ports: {port} is not a port number 1-65535"
+    if len(set(ports)) != len(ports):
+        return "--endpoint-target-ports: a port is listed twice"
+    return None
+
+
+def parse_target_ports(values: Sequence[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`--endpoint-target-ports` (each given comma-separated numbers, as the reference's int-slice flag
+    appends repeated ones) -> (the ports in order without repeats, the ports listed more than once).
+    ValueError names an entry that is not a number; the range is `check_target_ports`'s."""
+    ports: list[int] = []
+    repeated: list[int] = []
+    for value in values:
+        for entry in value.split(","):
+            text = entry.strip()
+            if not text.lstrip("+-").isdigit() or not text.isascii():
+                raise ValueError(
+                    f"{entry!r} is not a port number (expected comma-separated numbers, e.g. 8000,8001)"
+                )
+            port = int(text)
+            if port in ports:
+                if port not in repeated:
+                    repeated.append(port)
+            else:
+                ports.append(port)
+    return tuple(ports), tuple(repeated)

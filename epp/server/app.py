@@ -22,8 +22,9 @@ from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
 from epp.discovery.rewrite_watcher import ModelRewriteWatcher
 from epp.discovery.rewrites import RewriteTable
+from epp.discovery.selector_watcher import watcher_for
 from epp.discovery.settings import DiscoverySettings
-from epp.discovery.watcher import PoolWatcher
+from epp.discovery.tracker import PodTracker
 from epp.kvindex import compiled
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
@@ -76,7 +77,7 @@ class ServerSettings:
     pool_name: str = "default"
     seed: int | None = None
     debug_endpoints: bool = True
-    discovery: DiscoverySettings | None = None  # the endpoint set from an InferencePool (no static endpoints)
+    discovery: DiscoverySettings | None = None  # endpoints from an InferencePool or a selector (not static)
 
     @classmethod
     def loopback(cls, **overrides: Any) -> ServerSettings:
@@ -188,20 +189,23 @@ class EppServer:
                 timeout=settings.metrics_timeout,
                 observer=self.scrape_round,
             )
-        self.discovery: PoolWatcher | None = None
-        self.model_rewrites: ModelRewriteWatcher | None = None  # InferenceModelRewrites (with discovery)
+        self.discovery: PodTracker | None = None
+        # InferenceModelRewrites: with a pool only (they name it in `poolRef`; the reference's selector
+        # mode starts no InferenceModelRewrite reconciler either).
+        self.model_rewrites: ModelRewriteWatcher | None = None
         if settings.discovery is not None:
             if config.endpoints or endpoints:
                 raise ValueError(
                     "static endpoints (--endpoints or the config's endpoints) and Kubernetes discovery "
-                    "(--pool-name) cannot be used together"
+                    "(--pool-name or --endpoint-selector) cannot be used together"
                 )
-            self.discovery = PoolWatcher(
+            self.discovery = watcher_for(
                 self.datastore, settings.discovery, observer=self.metrics, on_change=self._follow_endpoints
             )
-            self.model_rewrites = ModelRewriteWatcher(
-                settings.discovery, self._follow_rewrites, observer=self.metrics
-            )
+            if not settings.discovery.selector_mode:
+                self.model_rewrites = ModelRewriteWatcher(
+                    settings.discovery, self._follow_rewrites, observer=self.metrics
+                )
         self._sources_started = False
         self._readiness: asyncio.Task[None] | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -254,16 +258,24 @@ class EppServer:
             self.scrape_round.finish()
             if not done:
                 log.warning("ready before every endpoint's first metrics scrape ended (--metrics-timeout)")
+        # (the pool may have gone while the first scrapes ran: then the readiness services start NOT_SERVING)
+        pool = self.discovery is None or self.discovery.ready
         for name in HEALTH_SERVICES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            serving = pool or name not in READINESS_SERVICES
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await self.health.set(name, status)
         self._ready = True
         if self.discovery is not None:
-            await self._follow_pool(self.discovery)
+            await self._follow_pool(self.discovery, pool)
 
-    async def _follow_pool(self, watcher: PoolWatcher) -> None:
+    async def _follow_pool(self, watcher: PodTracker, ready: bool) -> None:
         """As the reference EPP: the readiness services answer NOT_SERVING while the pool is deleted
-        (or being deleted), SERVING again once it exists and its pods are listed; liveness stays."""
-        ready = True
+        (or being deleted), SERVING again once it exists and its pods are listed; liveness stays. `ready`:
+        what the readiness services answer now."""
         while True:
             ready = await watcher.wait_ready_change(ready)
             status = health_pb2.HealthCheckResponse.NOT_SERVING

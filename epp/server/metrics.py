@@ -277,7 +277,9 @@ class EppMetrics:
 
         # Kubernetes discovery (epp/discovery/watcher.py); nothing is recorded without it.
         self.discovery_lists = counter(
-            "epp_discovery_lists_total", "Lists of the InferencePool and of its pods", ["resource"]
+            "epp_discovery_lists_total",
+            "Lists of the InferencePool, its pods (or those --endpoint-selector selects), model rewrites",
+            ["resource"],
         )
         self.discovery_events = counter(
             "epp_discovery_watch_events_total",
@@ -288,10 +290,14 @@ class EppMetrics:
             "epp_discovery_errors_total", "Discovery errors by resource and kind", ["resource", "kind"]
         )
         self.discovery_endpoints = Gauge(
-            "epp_discovery_endpoints", "Endpoints the InferencePool's candidate pods give", registry=r
+            "epp_discovery_endpoints",
+            "Endpoints the candidate pods give (of the InferencePool, or selected by --endpoint-selector)",
+            registry=r,
         )
         self.discovery_synced = Gauge(
-            "epp_discovery_synced", "1 once the InferencePool and its pods have been listed", registry=r
+            "epp_discovery_synced",
+            "1 once the InferencePool (if any) and its pods have been listed",
+            registry=r,
         )
 
     def attach_pool(self, datastore: Datastore, clock: Clock, pool_name: str) -> None:

@@ -6,7 +6,8 @@ Serves `/api/v1/namespaces/{ns}/pods[/{name}]`,
 `/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencepools[/{name}]` (a separate
 resource with its own objects, as two CRDs are) over plain HTTP on loopback, as the API server does:
 - a list answers `{"kind": "PodList", "metadata": {"resourceVersion": "N"}, "items": [...]}`, filtered
-  by `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`) and `fieldSelector` (`metadata.name`,
+  by `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`) and
+  `fieldSelector` (`metadata.name`,
   `metadata.namespace`);
 - `watch=true&resourceVersion=N` streams newline-delimited `{"type": ..., "object": ...}`: the changes
   after N, then live ones; an object that stops (starts) matching the selector arrives as DELETED
@@ -104,28 +105,49 @@ def _reason(code: int) -> str:
     }.get(code, "Unknown")
 
 
+def _split_requirements(text: str) -> list[str]:
+    """Split on the commas outside parentheses (`a in (x,y),b` is two requirements)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
 def parse_label_selector(text: str) -> Matcher:
-    """`k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-separated (all must hold). ValueError on other forms."""
-    reqs: list[tuple[str, str, str]] = []  # (op, key, value)
-    for raw in filter(None, (p.strip() for p in text.split(","))):
-        if "!=" in raw:
+    """`k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`, comma-separated (all must
+    hold), as the API server reads them. ValueError on other forms."""
+    reqs: list[tuple[str, str, frozenset[str]]] = []  # (op, key, values)
+    for raw in _split_requirements(text):
+        words = raw.split(None, 1)
+        if len(words) == 2 and words[1].split("(", 1)[0].strip() in ("in", "notin"):
+            op, _, rest = words[1].partition("(")
+            if not rest.endswith(")"):
+                raise ValueError(f"unsupported label selector {raw!r}")
+            values = frozenset(v.strip() for v in rest[:-1].split(","))
+            reqs.append((op.strip(), words[0], values))
+        elif "!=" in raw:
             k, v = raw.split("!=", 1)
-            reqs.append(("!=", k.strip(), v.strip()))
+            reqs.append(("!=", k.strip(), frozenset([v.strip()])))
         elif "=" in raw:
             k, v = raw.replace("==", "=").split("=", 1)
-            reqs.append(("=", k.strip(), v.strip()))
+            reqs.append(("in", k.strip(), frozenset([v.strip()])))
         elif " " in raw or "(" in raw:
             raise ValueError(f"unsupported label selector {raw!r}")
         elif raw.startswith("!"):
-            reqs.append(("!", raw[1:].strip(), ""))
+            reqs.append(("!", raw[1:].strip(), frozenset()))
         else:
-            reqs.append(("exists", raw, ""))
+            reqs.append(("exists", raw, frozenset()))
 
     def match(labels: Mapping[str, Any]) -> bool:
-        for op, k, v in reqs:
+        for op, k, values in reqs:
             ok = {
-                "=": labels.get(k) == v,
-                "!=": labels.get(k) != v,
+                "in": k in labels and labels[k] in values,
+                "!=": labels.get(k) not in values,
+                "notin": labels.get(k) not in values,
                 "!": k not in labels,
                 "exists": k in labels,
             }[op]

@@ -28,6 +28,7 @@ PURE = [
     "epp/discovery/pool.py",
     "epp/discovery/settings.py",
     "epp/discovery/rewrites.py",
+    "epp/discovery/selector.py",
     "epp/demo/workload.py",
     "epp/demo/report.py",
     "simulator/kernel.py",

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from epp.cli import _discovery, main
+from epp.cli import main
 from epp.config import default_config
+from epp.discovery.flags import discovery_settings as _discovery
 from epp.discovery.pool import PoolError, parse_pool, pod_endpoints, pool_endpoints
 from epp.discovery.settings import GROUP_V1, GROUP_V1ALPHA2, REWRITE_GROUP, DiscoverySettings
 
@@ -133,6 +134,8 @@ def args_for(**kw: Any) -> argparse.Namespace:
         "model_rewrite_group": None,
         "pool_namespace": None,
         "kubeconfig": None,
+        "endpoint_selector": None,
+        "endpoint_target_ports": None,
         "endpoints": [],
     }
     return argparse.Namespace(**{**base, **kw})
