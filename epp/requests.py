@@ -22,11 +22,28 @@ from epp.kvindex.chat_inputs import request_template
 from epp.responses_api import InvalidResponsesBody, responses_chat, template_kwargs
 from epp.types import ApiKind, ChatOptions, InferenceRequest, PromptTokens
 
+# The request's control headers under llm-d's current names, each with the Gateway API Inference
+# Extension's name as an alias (llm-d/llm-d-router pkg/epp/metadata/consts.go: `ObjectiveKey`,
+# `FlowFairnessIDKey`, `ModelNameRewriteKey` and their `Old...` aliases; kubernetes-sigs/
+# gateway-api-inference-extension pkg/epp/metadata/consts.go has the `x-gateway-*` names only). When both
+# are sent, llm-d's name wins, even with an empty value, as the reference's `GetLowerCaseHeaderValue` reads
+# them (llm-d/llm-d-router pkg/epp/handlers/request.go). The fairness id is kept with the request, not
+# acted on (there is no flow control here).
+OBJECTIVE_HEADER = "x-llm-d-inference-objective"
+GIE_OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
+GIE_FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
+GIE_MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+
 HEADERS_OF_INTEREST = (
     "x-request-id",
-    "x-gateway-inference-objective",
-    "x-gateway-inference-fairness-id",
-    "x-gateway-model-name-rewrite",
+    OBJECTIVE_HEADER,
+    GIE_OBJECTIVE_HEADER,
+    FAIRNESS_HEADER,
+    GIE_FAIRNESS_HEADER,
+    MODEL_REWRITE_HEADER,
+    GIE_MODEL_REWRITE_HEADER,
     "content-type",
 )
 
@@ -277,7 +294,10 @@ def build_request(
     path = headers.get(":path", "")
     kind = api_kind_of(path)
     request_id = headers.get("x-request-id") or str(uuid.uuid4())
-    objective = headers.get("x-gateway-inference-objective") or None
+    objective = headers.get(OBJECTIVE_HEADER)
+    if objective is None:  # llm-d's name, when present (even empty), wins
+        objective = headers.get(GIE_OBJECTIVE_HEADER)
+    objective = objective or None
     priority = objectives.get(objective, 0) if objective else 0
     kept = {k: headers[k] for k in HEADERS_OF_INTEREST if k in headers}
     if body is None:

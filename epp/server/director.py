@@ -24,7 +24,13 @@ from epp.costmodel.service import CostModel
 from epp.datastore import Datastore, Ticket
 from epp.discovery.rewrites import EMPTY as NO_REWRITES
 from epp.discovery.rewrites import RewriteTable
-from epp.requests import RequestError, build_request, parse_body
+from epp.requests import (
+    GIE_MODEL_REWRITE_HEADER,
+    MODEL_REWRITE_HEADER,
+    RequestError,
+    build_request,
+    parse_body,
+)
 from epp.scheduling.errors import NoEndpointsError
 from epp.scheduling.scheduler import Scheduler
 from epp.server.decisions import DecisionLog
@@ -43,12 +49,13 @@ MAX_MODEL_LABEL_CHARS = 256
 OTHER_MODEL = "other"
 FAILURE_LOG_EVERY_S = 30.0
 """Bookkeeping failures on the response path are logged at most this often (all are counted)."""
-MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
-"""Names the model the request goes to the model server as: the body's `model` is rewritten to it, and the
-request is scheduled for it (the reference: llm-d/llm-d-router pkg/epp/handlers/request.go reads it,
-pkg/epp/requestcontrol/director.go `modelRewriteIfNeeded` rewrites the body; kubernetes-sigs/
-gateway-api-inference-extension pkg/epp/metadata/consts.go names it). A matching InferenceModelRewrite
-rule takes precedence over it (`Director.model_rewrites`)."""
+# The rewrite header names the model the request goes to the model server as: the body's `model` is
+# rewritten to it, and the request is scheduled for it (the reference: llm-d/llm-d-router
+# pkg/epp/handlers/request.go reads it, pkg/epp/requestcontrol/director.go `modelRewriteIfNeeded` rewrites
+# the body). It is MODEL_REWRITE_HEADER (llm-d's name, llm-d/llm-d-router pkg/epp/metadata/consts.go) or
+# GIE_MODEL_REWRITE_HEADER (kubernetes-sigs/gateway-api-inference-extension pkg/epp/metadata/consts.go);
+# llm-d's wins when both are sent, even with an empty value, as the reference's `GetLowerCaseHeaderValue`
+# has it. A matching InferenceModelRewrite rule takes precedence over either (`Director.model_rewrites`).
 _encoder = msgspec.json.Encoder()
 
 
@@ -56,7 +63,7 @@ _encoder = msgspec.json.Encoder()
 class ParsedRequest:
     request: InferenceRequest
     new_body: bytes | None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
-    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER or a rule replaced it
+    incoming_model: str | None = None  # the client's model when the rewrite header or a rule replaced it
 
 
 @dataclass(slots=True)
@@ -68,7 +75,7 @@ class RoutedRequest:
     status: int | None = None
     first_byte_at: float | None = None
     body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
-    incoming_model: str | None = None  # the client's model when MODEL_REWRITE_HEADER or a rule replaced it
+    incoming_model: str | None = None  # the client's model when the rewrite header or a rule replaced it
     observable: bool = False  # its first response byte will be its first token (streamed both ways)
     served: str | None = None  # the endpoint Envoy reports it used, when it says
 
@@ -135,7 +142,7 @@ class Director:
 
     def model_labels(self, request: InferenceRequest, incoming_model: str | None) -> tuple[str, str]:
         """The request metrics' (model_name, target_model_name), as the reference has them: the client's
-        model and the one it goes to the model server as (they differ when MODEL_REWRITE_HEADER rewrites)."""
+        model and the one it goes to the model server as (they differ when the rewrite header rewrites)."""
         target = self.model_label(request.model)
         return (target if incoming_model is None else self.model_label(incoming_model)), target
 
@@ -175,7 +182,7 @@ class Director:
     def _rewrite_model(self, headers: Mapping[str, str], doc: dict[str, Any]) -> str | None:
         """Rewrite the body's `model`: returns the client's model when it was replaced. The
         InferenceModelRewrite rule for the client's model, when there is one, picks the target and takes
-        precedence over MODEL_REWRITE_HEADER, as in the reference (llm-d/llm-d-router
+        precedence over the rewrite header, as in the reference (llm-d/llm-d-router
         pkg/epp/requestcontrol/director.go: `applyWeightedModelRewrite` runs after the header set the
         target); else the header does."""
         target = _header_target(headers, doc)
@@ -365,19 +372,23 @@ class Director:
 
 
 def _header_target(headers: Mapping[str, str], doc: dict[str, Any]) -> str | None:
-    """The model MODEL_REWRITE_HEADER names, or None. A body without a valid `model` is left for
-    `build_request` to refuse (400); an empty header is no rewrite (as in the reference). A value with a comma
-    is refused (400): the header sent more than once (`header_map` joins the copies), where the reference
-    silently takes one copy."""
-    target = headers.get(MODEL_REWRITE_HEADER, "").strip()
+    """The model the rewrite header names (MODEL_REWRITE_HEADER, else GIE_MODEL_REWRITE_HEADER), or None. A
+    body without a valid `model` is left for `build_request` to refuse (400); an empty header is no rewrite
+    (as in the reference), and an empty llm-d header still shadows the other one (as there). A value with a
+    comma is refused (400), naming the header it came in: the header sent more than once (`header_map` joins
+    the copies), where the reference silently takes one copy."""
+    name, value = MODEL_REWRITE_HEADER, headers.get(MODEL_REWRITE_HEADER)
+    if value is None:
+        name, value = GIE_MODEL_REWRITE_HEADER, headers.get(GIE_MODEL_REWRITE_HEADER)
+    if not value:
+        return None
+    target = value.strip()
     model = doc.get("model")
     if not target or not isinstance(model, str) or not model:
         return None
     if "," in target:
         got = target[:64]
-        raise RequestError(
-            400, "BadRequest", f"header {MODEL_REWRITE_HEADER!r} must name one model, once (got {got!r})"
-        )
+        raise RequestError(400, "BadRequest", f"header {name!r} must name one model, once (got {got!r})")
     return target
 
 

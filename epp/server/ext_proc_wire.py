@@ -1,6 +1,11 @@
 """The ext_proc protocol's message shapes: what the EPP reads from Envoy's messages (headers, the
 subset hint, the endpoint Envoy served) and the answers it builds (the destination header and `envoy.lb`
 metadata, body echoes, immediate error responses). `ext_proc.py` runs the stream with them.
+
+The destination, subset and served keys are the Inference Extension protocol's `x-gateway-destination-*`
+names, read and sent under those names only, as llm-d's router does after renaming its own control headers
+to `x-llm-d-*` (llm-d/llm-d-router pkg/epp/metadata/consts.go gives them no aliases; the request's control
+headers and their aliases are in `epp/requests.py`).
 """
 
 from __future__ import annotations

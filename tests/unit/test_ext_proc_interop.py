@@ -8,7 +8,8 @@ llm-d/llm-d-router), checked on the ext_proc answers:
   pkg/epp/requestcontrol/candidates.go `Locate` accepts); malformed entries allow nothing and are named.
 - `x-gateway-model-name-rewrite`: the body's `model` becomes the header's (the reference:
   pkg/epp/requestcontrol/director.go `modelRewriteIfNeeded`), the request is scheduled for it, and the
-  metrics carry both names.
+  metrics carry both names. llm-d's current names for it and the objective (`x-llm-d-*`, winning over the
+  GIE names) are in test_llmd_headers.py; one gRPC test here sends them.
 
 Most tests feed the state machine directly; the `grpc` ones run a real gRPC server on port 0."""
 
@@ -464,3 +465,26 @@ async def test_grpc_a_malformed_hint_is_503_and_the_next_stream_is_served(
     out = await exchange(client, [with_headers(headers(), x_request_id="mine"), body(BODY, True)], answers=2)
     assert destination(out[0]) == "10.0.0.0:80"
     assert REQUEST_ID not in set_headers(out[0].request_headers.response)
+
+
+async def test_grpc_llmds_rewrite_name_wins_and_its_bad_value_is_the_same_400(
+    stub: tuple[pb_grpc.ExternalProcessorStub, Director],
+) -> None:
+    client, d = stub
+    req = with_headers(
+        headers(),
+        x_llm_d_model_name_rewrite="served",
+        x_gateway_model_name_rewrite="other",
+        x_llm_d_inference_objective="batch",
+    )
+    out = await exchange(client, [req, body(BODY, True)], answers=2)
+    assert destination(out[0]) in {"10.0.0.0:80", "10.0.0.1:81"}
+    forwarded = out[1].request_body.response.body_mutation.streamed_response
+    assert json.loads(forwarded.body)["model"] == "served"
+    labels = {"model_name": "m", "target_model_name": "served"}
+    assert sample(d, "inference_objective_request_total", labels) == 1
+    [bad] = await exchange(
+        client, [with_headers(headers(), x_llm_d_model_name_rewrite="a,b"), body(BODY, True)], answers=1
+    )
+    assert bad.immediate_response.status.code == 400
+    assert "header 'x-llm-d-model-name-rewrite' must name one model, once (got 'a,b')" in error_message(bad)

@@ -76,6 +76,26 @@ def test_unknown_objective_has_priority_zero_and_request_id_is_generated() -> No
 
 
 @pytest.mark.parametrize(
+    ("sent", "objective", "priority"),
+    [
+        ({"x-llm-d-inference-objective": "batch"}, "batch", -2),
+        ({"x-llm-d-inference-objective": "batch", "x-gateway-inference-objective": "x"}, "batch", -2),
+        ({"x-llm-d-inference-objective": "x", "x-gateway-inference-objective": "batch"}, "x", 0),
+        ({"x-llm-d-inference-objective": "", "x-gateway-inference-objective": "batch"}, None, 0),
+        ({"x-gateway-inference-objective": "batch"}, "batch", -2),
+        ({}, None, 0),
+    ],
+)
+def test_llmds_objective_name_wins_over_the_gie_one(
+    sent: dict[str, str], objective: str | None, priority: int
+) -> None:
+    for doc in ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, None):
+        r = build_request({**CHAT, **sent}, doc, {"batch": -2})
+        assert (r.objective, r.priority) == (objective, priority)
+        assert {k: v for k, v in r.headers.items() if "objective" in k} == sent  # kept as sent
+
+
+@pytest.mark.parametrize(
     ("headers", "raw", "needle"),
     [
         (CHAT, b"", "empty"),
