@@ -7,6 +7,7 @@ COMPILED = [
     "epp.kvindex.block_chain",
     "epp.kvindex.cuckoo",
     "epp.kvindex.ownership",
+    "epp.kvindex.removal_loop",
     "epp.kvindex.event_scan",
     "epp.kvindex.rolling",
     "epp.costmodel.estimate",

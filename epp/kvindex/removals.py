@@ -13,10 +13,13 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
+from epp.kvindex import removal_loop
 from epp.kvindex.eviction import MAX_KEYS_PER_RECORD
-from epp.kvindex.holdings import TIER_SHIFT, Holdings
+from epp.kvindex.holdings import TIER_SHIFT, U64, Holdings
 from epp.kvindex.packing import as_u64
+from epp.kvindex.probe import Index
 
 
 class IndexRemovals:
@@ -133,9 +136,35 @@ class IndexRemovals:
             hashes.extend(engine_hashes)
             pods.extend(itertools.repeat(pid, len(engine_hashes)))
             tiers.extend(itertools.repeat(tid, len(engine_hashes)))
-        slots = h.records.find(as_u64(hashes), np.array(pods, dtype=np.uint16))
-        units = np.array(tiers, dtype=np.intp)
-        # a discard of a block the pod does not hold on the tier is a no-op (`remove` queues live units)
-        info = h.records.cols["info"][slots] >> (units + TIER_SHIFT).astype(np.uint32)
-        held = (slots >= 0) & ((info & 1) == 1)
+        keys, tags, units = as_u64(hashes), np.array(pods, dtype=np.uint16), np.array(tiers, dtype=np.intp)
+        if not (h.copies.size or h.multi.size):  # the common case, as one compiled loop
+            slots = np.empty(len(keys), dtype=np.intp)
+            if _remove_held(h, keys, tags, units, slots):
+                return
+            held = slots >= 0  # (a record has `extra` rows: the general path, with the slots of the held)
+        else:
+            slots = h.records.find(keys, tags)
+            # a discard of a block the pod does not hold on the tier is a no-op (`remove` queues live units)
+            info = h.records.cols["info"][slots] >> (units + TIER_SHIFT).astype(np.uint32)
+            held = (slots >= 0) & ((info & 1) == 1)
         h.remove_copies(slots[held], units[held])
+
+
+def _remove_held(h: Holdings, keys: U64, tags: npt.NDArray[np.uint16], tiers: Index, slots: Index) -> bool:
+    """The removals (keys[i], tags[i], tiers[i]) by `removal_loop.remove_held`, while `copies` and `multi`
+    are empty; False, with the items' slots (-1 where not held) and nothing changed, when a held record
+    has `extra` rows."""
+    rec, blocks = h.records, h.blocks
+    stamps = tuple(rec.cols[f"s{t}"] for t in range(h.ntiers))
+    removed, used, rec_freed, rows_freed = removal_loop.remove_held(
+        rec.keys, rec.tags, rec.count, rec.nb, rec.empty_tag, rec.cols["state"], rec.cols["info"], stamps,
+        h._masks(), blocks.keys, blocks.tags, blocks.count, blocks.nb, blocks.empty_tag, h.counts,
+        h.units, keys, tags, tiers, slots,
+    )  # fmt: skip
+    if removed == removal_loop.EXTRA_ROWS:
+        return False
+    h.used -= used
+    h.entries -= removed
+    rec.size -= rec_freed
+    blocks.size -= rows_freed
+    return True
