@@ -22,7 +22,16 @@ from typing import Final
 import numpy as np
 
 from epp.costmodel import estimate
-from epp.kvindex import block_chain, cuckoo, event_scan, ownership, prefix_walk, removal_loop, rolling
+from epp.kvindex import (
+    block_chain,
+    cuckoo,
+    event_scan,
+    ownership,
+    prefix_walk,
+    removal_loop,
+    rolling,
+    store_loop,
+)
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest
@@ -48,6 +57,7 @@ def warm_up() -> None:
     for ntiers in range(1, WARM_TIERS + 1):  # a new number of tiers compiles its own code
         ownership.warm_up(ntiers)
         removal_loop.warm_up(ntiers)
+        store_loop.warm_up(ntiers)
     for form in ("map", "array"):
         for ntiers in (1, 2, 3):
             _exercise(form, ntiers)

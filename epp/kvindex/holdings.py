@@ -33,7 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import block_chain, ownership
+from epp.kvindex import ownership, store_loop
 from epp.kvindex.eviction import MAX_KEYS_PER_RECORD, STAMP_NONE, Eviction
 from epp.kvindex.keys import MASK64, fmix_array
 from epp.kvindex.probe import Index
@@ -52,21 +52,20 @@ U64 = npt.NDArray[np.uint64]
 
 @dataclass(slots=True)
 class Batch:
-    """Pending BlockStored events, in order. Per event: pod, tier, blocks, tokens, engine block size,
-    start state (when `pref` < 0), parent block index in this batch (or -1), tokens pending at start."""
+    """Pending BlockStored events, in order. Per event (the columns of `ev`): pod, tier, blocks, tokens,
+    engine block size, parent block index in this batch (or -1), tokens pending at start; its start state
+    (when it has no parent in the batch) in `s0`."""
 
-    pid: Index
-    tid: Index
-    n: Index
-    ntok: Index
-    ebs: Index
+    ev: Index  # 7 rows (one contiguous row per field: the compiled loops take one array layout)
     s0: list[int]
-    pref: Index
-    npend0: Index
     hashes: U64
     tokens: npt.NDArray[np.integer]
-    tiers: list[int]  # the tiers the batch stores on
     dups: bool  # some (pod, engine hash) is stored more than once
+
+    @property
+    def tiers(self) -> list[int]:
+        """The tiers the batch stores on."""
+        return sorted(set(self.ev[1].tolist()))
 
 
 class Holdings(Eviction):
@@ -127,26 +126,13 @@ class Holdings(Eviction):
 
     # -- add -----------------------------------------------------------------------------
     def add(self, b: Batch) -> None:
-        nblocks = len(b.hashes)
-        state_end = np.empty(nblocks, dtype=np.uint64)
-        nkeys = np.empty(nblocks, dtype=np.intp)
-        npend = np.empty(nblocks, dtype=np.intp)
-        nextra = np.empty(nblocks, dtype=np.intp)
-        extra = np.empty(len(b.tokens) // self.bs + nblocks, dtype=np.uint64)
-        block_chain.chain_blocks(
-            b.n, b.ntok, b.ebs, b.npend0, b.pref, np.array(b.s0, dtype=np.uint64), b.tokens, self.bs,
-            state_end, nkeys, npend, nextra, extra,
-        )  # fmt: skip
-
-        if self.stamp + nblocks >= _STAMP_LIMIT:
+        if self.stamp + len(b.hashes) >= _STAMP_LIMIT:
             self._rebase_stamps()
-        tags = np.empty(nblocks, dtype=np.uint16)
-        tiers = np.empty(nblocks, dtype=np.intp)
-        stamps = np.empty(nblocks, dtype=np.uint32)
-        info = np.empty(nblocks, dtype=np.uint32)
-        block_chain.block_rows(b.n, b.pid, b.tid, self.stamp, npend, nkeys, tags, tiers, stamps, info)
-        self.stamp += nblocks
-        slots, new = self.records.upsert(b.hashes, tags, {"state": state_end, "info": info})
+        done = store_loop.store(self, b)  # the common case: one compiled call
+        self.stamp += len(b.hashes)
+        if done is None:
+            return
+        slots, new, tags, tiers, stamps, nextra, extra = done
         if new.any():
             u = np.flatnonzero(new)
             u = u[nextra[u] > 0]
@@ -169,9 +155,10 @@ class Holdings(Eviction):
         more = was.astype(np.intp) if times is None else times - 1 + was  # copies added to held ones
         if more.any():
             self._add_copies(slots, tiers, more)
-        for t in b.tiers:
+        batch_tiers = b.tiers
+        for t in batch_tiers:
             col = self.records.cols[f"s{t}"]
-            if len(b.tiers) == 1:
+            if len(batch_tiers) == 1:
                 col[slots] = stamps
             else:
                 sel = tiers == t
@@ -194,27 +181,33 @@ class Holdings(Eviction):
         copies, later, again = (np.empty(n, dtype=np.intp) for _ in range(3))
         blocks.reserve(n)  # a new row per unit at most: the table grows once, before the loop
         room = blocks.room()
-        stamp_cols = tuple(rec.cols[f"s{t}"] for t in range(self.ntiers))
         ncopies, nlater, nagain, used, created, inserted = ownership.add_units(
-            rec.cols["state"], rec.cols["info"], rec.tags, stamp_cols, self._masks(), blocks.keys,
-            blocks.tags, blocks.count, blocks.nb, room, self.counts, self.units, slots, tiers, stamps, keys,
-            copies, later, again,
+            rec.cols["state"], rec.cols["info"], rec.tags, self.stamp_columns(), self.mask_columns(),
+            blocks.keys, blocks.tags, blocks.count, blocks.nb, room, self.counts, self.units, slots, tiers,
+            stamps, keys, copies, later, again,
         )  # fmt: skip
         if ncopies < 0:
             return False
-        blocks.size += inserted
+        self.units_added(
+            slots, tiers, keys, copies[:ncopies], later[:nlater], again[:nagain], used, created, inserted
+        )
+        return True
+
+    def units_added(
+        self, slots: Index, tiers: Index, keys: U64, copies: Index, later: Index, again: Index, used: int,
+        created: int, inserted: int,
+    ) -> None:  # fmt: skip
+        """The rest of `ownership.add_units`' work on units (slots, tiers): the counts it returns, extra
+        copies of units (`copies`), extra owners (`again`) and keys without room in `blocks` (`later`)."""
+        self.blocks.size += inserted
         self.used += used
         self.entries += created
-        if ncopies:
-            c = copies[:ncopies]
-            self._add_copies(slots[c], tiers[c], np.ones(ncopies, dtype=np.intp))
-        if nagain:
-            a = again[:nagain]
-            self._more_owners(keys[a], rec.tags[slots[a]].astype(np.intp), tiers[a])
-        if nlater:  # no room in the blocks table for these: the general path (growth, the cuckoo walk)
-            lt = later[:nlater]
-            self._own(keys[lt], rec.tags[slots[lt]].astype(np.intp), tiers[lt], +1)
-        return True
+        if len(copies):
+            self._add_copies(slots[copies], tiers[copies], np.ones(len(copies), dtype=np.intp))
+        if len(again):
+            self._more_owners(keys[again], self.records.tags[slots[again]].astype(np.intp), tiers[again])
+        if len(later):  # no room in the blocks table for these: the general path (growth, the cuckoo walk)
+            self._own(keys[later], self.records.tags[slots[later]].astype(np.intp), tiers[later], +1)
 
     def _add_copies(self, slots: Index, tiers: Index, more: Index) -> None:
         """Count `more` copies (beyond the first) of the units (slots, tiers); units are distinct."""
@@ -276,7 +269,7 @@ class Holdings(Eviction):
         if sign > 0:
             rows, _ = self.blocks.upsert(keys, tags, {})
             again = np.zeros(len(rows), dtype=bool)
-            created = ownership.add_owners(self._masks(), rows, pods, tiers, self.counts, again)
+            created = ownership.add_owners(self.mask_columns(), rows, pods, tiers, self.counts, again)
             if again.any():
                 self._more_owners(keys[again], pods[again], tiers[again])
             self.entries += created
@@ -285,7 +278,7 @@ class Holdings(Eviction):
             return ownership.own_batch(self, keys, pods, tiers, tags, sign)
         rows = self.blocks.find(keys, tags)
         emptied = np.empty(len(rows), dtype=np.intp)
-        removed, k = ownership.drop_owners(self._masks(), rows, pods, tiers, self.counts, emptied)
+        removed, k = ownership.drop_owners(self.mask_columns(), rows, pods, tiers, self.counts, emptied)
         self.blocks.delete(emptied[:k])
         self.entries -= removed
         return int(removed)
@@ -295,9 +288,13 @@ class Holdings(Eviction):
         at, _ = self.multi.upsert(keys, (pods | (tiers << 16)).astype(np.uint32), {})
         np.add.at(self.multi.cols["n"], at, np.uint32(1))
 
-    def _masks(self) -> tuple[npt.NDArray[np.uint32], ...]:
+    def mask_columns(self) -> tuple[npt.NDArray[np.uint32], ...]:
         cols = self.blocks.cols
         return tuple(cols[f"m{t}"] for t in range(self.ntiers))
+
+    def stamp_columns(self) -> tuple[npt.NDArray[np.uint32], ...]:
+        cols = self.records.cols
+        return tuple(cols[f"s{t}"] for t in range(self.ntiers))
 
     # -- remove ------------------------------------------------------------------------
     def remove_copies(self, slots: Index, tiers: Index) -> int:
@@ -366,10 +363,10 @@ class Holdings(Eviction):
         rec, blocks = self.records, self.blocks
         gone = np.empty(len(slots), dtype=np.intp)
         emptied = np.empty(len(slots), dtype=np.intp)
-        stamps = tuple(rec.cols[f"s{t}"] for t in range(self.ntiers))
         removed, used, ngone, nempty = ownership.remove_units(
-            rec.cols["state"], rec.cols["info"], rec.tags, stamps, self._masks(), blocks.keys, blocks.tags,
-            blocks.count, blocks.nb, self.counts, self.units, slots, tiers, gone, emptied,
+            rec.cols["state"], rec.cols["info"], rec.tags, self.stamp_columns(), self.mask_columns(),
+            blocks.keys, blocks.tags, blocks.count, blocks.nb, self.counts, self.units, slots, tiers, gone,
+            emptied,
         )  # fmt: skip
         if removed < 0:
             return -1

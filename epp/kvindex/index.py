@@ -300,20 +300,11 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
             self._apply_removals()
         if self._q_blocks:
             flat = flat_tokens(self._q_tokens)
-            # (one contiguous row per field: the compiled loops take one array layout, whatever the count)
-            ev = np.array(self._q_ev, dtype=np.intp).T.copy()
             h.add(
                 Batch(
-                    pid=ev[0],
-                    tid=ev[1],
-                    n=ev[2],
-                    ntok=ev[3],
-                    ebs=ev[4],
+                    ev=np.array(self._q_ev, dtype=np.intp).T.copy(),  # (one contiguous row per field)
                     s0=self._q_s0,
-                    pref=ev[5],
-                    npend0=ev[6],
                     hashes=self._queued_hashes(),
-                    tiers=sorted({e[1] for e in self._q_ev}),
                     dups=self._q_dups,
                     tokens=flat,
                 )

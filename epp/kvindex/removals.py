@@ -155,11 +155,10 @@ def _remove_held(h: Holdings, keys: U64, tags: npt.NDArray[np.uint16], tiers: In
     are empty; False, with the items' slots (-1 where not held) and nothing changed, when a held record
     has `extra` rows."""
     rec, blocks = h.records, h.blocks
-    stamps = tuple(rec.cols[f"s{t}"] for t in range(h.ntiers))
     removed, used, rec_freed, rows_freed = removal_loop.remove_held(
-        rec.keys, rec.tags, rec.count, rec.nb, rec.empty_tag, rec.cols["state"], rec.cols["info"], stamps,
-        h._masks(), blocks.keys, blocks.tags, blocks.count, blocks.nb, blocks.empty_tag, h.counts,
-        h.units, keys, tags, tiers, slots,
+        rec.keys, rec.tags, rec.count, rec.nb, rec.empty_tag, rec.cols["state"], rec.cols["info"],
+        h.stamp_columns(), h.mask_columns(), blocks.keys, blocks.tags, blocks.count, blocks.nb,
+        blocks.empty_tag, h.counts, h.units, keys, tags, tiers, slots,
     )  # fmt: skip
     if removed == removal_loop.EXTRA_ROWS:
         return False
