@@ -6,9 +6,10 @@ times faster than numpy reads them, and a flush joins the queue into one array w
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +19,8 @@ from epp.kvindex.keys import MASK64
 StoreTokens = Sequence[int] | npt.NDArray[np.integer]
 """Token ids as an event gives them: Python ints, or an integer array (the compiled scan's)."""
 
+_I64: Final = np.dtype(np.int64)
+_U64: Final = np.dtype(np.uint64)
 _STRUCT_CACHE: Final = 1024
 _STRUCTS: dict[int, struct.Struct] = {}  # token count -> its packer
 
@@ -46,10 +49,15 @@ def pack_tokens(
 
 
 def flat_tokens(tokens: list[bytes | npt.NDArray[np.integer]]) -> npt.NDArray[np.int64]:
-    """The queued token ids as one int64 array (wrapping uint64 ids: the keys take them modulo 2^64)."""
-    packed = [t for t in tokens if isinstance(t, bytes)]
-    if len(packed) == len(tokens):
-        return np.frombuffer(b"".join(packed), dtype=np.int64)
+    """The queued token ids as one int64 array (wrapping uint64 ids: the keys take them modulo 2^64). When
+    every array is of native 64-bit integers (the compiled scan's), the pieces are joined as they are:
+    one copy, no array per piece."""
+    for t in tokens:
+        if not isinstance(t, bytes) and t.dtype is not _I64 and t.dtype is not _U64:
+            break
+    else:
+        with contextlib.suppress(TypeError):  # (an array that is not contiguous exports no plain buffer)
+            return np.frombuffer(b"".join(cast(list[bytes], tokens)), dtype=np.int64)  # (arrays: as buffers)
     return np.concatenate(
         [
             np.frombuffer(t, dtype=np.int64) if isinstance(t, bytes) else t.astype(np.int64, copy=False)

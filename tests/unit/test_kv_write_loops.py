@@ -17,6 +17,7 @@ from epp.kvindex import removal_loop, removals, store_loop
 from epp.kvindex.holdings import Holdings
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import root_key
+from epp.kvindex.packing import flat_tokens
 
 BS = 16
 ROOT = root_key("model")
@@ -172,3 +173,24 @@ def test_the_workloads_meet_every_fallback(monkeypatch: pytest.MonkeyPatch) -> N
             _workload(seed, index, lambda: None)
     assert seen["kicked"] and seen["removal extra rows"], seen
     assert seen["kick failed"] and seen["many stuck"], seen
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b"\x01" * 16],
+        [np.arange(3)],
+        [b"\x02" * 8, np.arange(3), b"\x03" * 16],
+        [np.array([2**64 - 1, 5], dtype=np.uint64), b"\x04" * 8],
+        [np.arange(3, dtype=np.int32), b"\x05" * 8],  # (not 64-bit: converted)
+        [np.arange(6)[::2], b"\x06" * 8],  # (not contiguous)
+        [np.arange(3).astype(">i8"), b"\x07" * 8],  # (not native)
+    ],
+)
+def test_flat_tokens_are_the_pieces_as_int64_in_order(pieces: list[bytes | npt.NDArray[np.integer]]) -> None:
+    want = np.concatenate(
+        [np.frombuffer(p, dtype=np.int64) if isinstance(p, bytes) else p.astype(np.int64) for p in pieces]
+    )
+    got = flat_tokens(pieces)
+    assert got.dtype == np.int64
+    assert got.tolist() == want.tolist()
