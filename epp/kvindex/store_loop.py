@@ -29,8 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.block_chain import block_rows, chain_blocks
-from epp.kvindex.cuckoo import _pair, find_one, kick_place, place
+from epp.kvindex.cuckoo import _pair, find_one, kick_place, place, prefetch_pair
 from epp.kvindex.ownership import add_units
+from epp.kvindex.prefetch import AHEAD
 
 if TYPE_CHECKING:
     from epp.kvindex.holdings import U64, Batch, Holdings
@@ -99,6 +100,8 @@ def store_batch(  # pragma: no cover - compiled
     if not fast:
         return CHAINED, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
     for i in range(n):  # distinct records: none placed below moves another, so these slots stay valid
+        if i + AHEAD < n:
+            prefetch_pair(rkeys, rcount, rnb, hashes[i + AHEAD], tags[i + AHEAD])
         s = find_one(rkeys, rtags, rcount, rnb, hashes[i], tags[i])[0]
         if _has_extra_rows(info[s] if s >= 0 else rinfo[i]):
             return CHAINED, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
