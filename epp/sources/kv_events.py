@@ -23,6 +23,8 @@ naming an endpoint or host of the pool elsewhere is a misconfigured publisher: d
 Sockets: each per-pod stream takes three ZeroMQ sockets (SUB, libzmq's monitor socket, the monitor's
 PAIR), each replay a DEALER; the context allows `MAX_SOCKETS`. A stream whose sockets cannot be
 opened (file descriptors exhausted) is closed again, logged, and tried again at the next sync.
+Every socket refuses a message over `MAX_MESSAGE_BYTES` (`kv_socket.py`); a per-pod socket whose
+session libzmq then ends for good is re-created after a short backoff (the message counted, `oversized`).
 """
 
 from __future__ import annotations
@@ -36,43 +38,30 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from epp.clock import Clock
 from epp.config_sections import KvEventsConfig
 from epp.datastore import Datastore
 from epp.kvindex.ingest import Dropped, KvIngest, NeedReplay
 from epp.kvindex.sequence import END_OF_REPLAY
+from epp.sources.kv_socket import (
+    MAX_MESSAGE_BYTES,
+    MAX_SOCKETS,
+    Backoff,
+    RateLimitedLog,
+    Stream,
+    close_stream,
+    open_monitored,
+    sub_socket,
+    watch_session,
+)
 from epp.sources.kv_topics import FOREIGN, OWN, TOPIC_CACHE, PoolHosts, endpoint_url, parse_topic
 
 log = logging.getLogger("epp.kv_events")
 
 UNKNOWN_POD = "unknown"
 _FAIR_SHARE = 64  # messages handled in a row before yielding to the event loop
-# Central mode: a larger frame makes ZeroMQ drop that publisher's connection (the publisher connects
-# again by itself; a replay attempt fails). Not in per-pod mode: there the EPP's SUB connects, and
-# ZeroMQ does not reconnect after refusing a message.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-MAX_SOCKETS = 65536
-"""ZeroMQ sockets allowed in the subscriber's context (libzmq's default, 1023, is 341 per-pod streams);
-capped at what libzmq supports. The process also needs a file descriptor per socket and connection."""
-
-
-class _RateLimitedLog:
-    def __init__(self, every: float = 30.0) -> None:
-        self.every = every
-        self._last: dict[tuple[str, str], float] = {}
-
-    def warn(self, pod: str, reason: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        key = (pod, reason)
-        if now - self._last.get(key, -1e9) >= self.every:
-            self._last[key] = now
-            log.warning(msg, *args)
-
-    def forget(self, pod: str) -> None:
-        for key in [k for k in self._last if k[0] == pod]:
-            del self._last[key]
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_SOCKETS", "UNKNOWN_POD", "KvEventSubscriber"]
 
 
 class KvEventSubscriber:
@@ -87,6 +76,9 @@ class KvEventSubscriber:
     """Seconds a replay waits for the pod's model to be known (from its metrics, when neither the
     endpoint list nor the topic names it): events are keyed by model, and a replay at startup would
     otherwise come before the first scrape and drop every block (`unknown_model`)."""
+    session_grace: float = 0.5
+    """Seconds a per-pod connection's loss may go without libzmq reporting its reconnect (it does so at
+    once) before the socket's session counts as ended for good (`kv_socket.watch_session`)."""
 
     def __init__(
         self,
@@ -104,14 +96,12 @@ class KvEventSubscriber:
         self.ctx = zmq.asyncio.Context()
         # Before any socket: the default (1023) would stop at 341 per-pod streams.
         self.ctx.set(zmq.MAX_SOCKETS, min(MAX_SOCKETS, self.ctx.get(zmq.SOCKET_LIMIT)))
-        # (pod, rank) -> (SUB socket, its monitor socket, their tasks)
-        self._streams: dict[
-            tuple[str, int], tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, list[asyncio.Task[None]]]
-        ] = {}
+        self._streams: dict[tuple[str, int], Stream] = {}  # per-pod mode: (SUB, its monitor, their tasks)
         self._replays: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._central: zmq.asyncio.Socket | None = None
-        self._logs = _RateLimitedLog()
+        self._logs = RateLimitedLog()
+        self._backoff = Backoff()  # before re-creating a per-pod socket whose session ended
         self._topics: dict[bytes, tuple[str | None, str | None]] = {}  # topic frame -> parse_topic
         self._hosts = PoolHosts(datastore.ids, lambda p: datastore.get(p) is not None)
         self.socket_errors: Counter[str] = Counter()
@@ -125,7 +115,6 @@ class KvEventSubscriber:
             return
         if s.mode == "central":
             sock = self._sub_socket()
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.bind(s.bind)
             self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._central = sock
@@ -143,9 +132,8 @@ class KvEventSubscriber:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for sock, monitor, _ in self._streams.values():
-            monitor.close(linger=0)
-            sock.close(linger=0)
+        for stream in self._streams.values():
+            close_stream(stream)
         self._streams.clear()
         self._replays.clear()
         self._tasks.clear()
@@ -155,15 +143,8 @@ class KvEventSubscriber:
         self.ctx.destroy(linger=0)  # closes any socket still open (e.g. a monitor whose task never ran)
 
     def _sub_socket(self) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)  # pods may have IPv6 addresses ([addr]:port)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_interval * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.heartbeat_timeout * 1000))
-        for topic in self.settings.topic_filters:
-            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        return sock
+        heartbeat = (self.heartbeat_interval, self.heartbeat_timeout)
+        return sub_socket(self.ctx, self.settings.rcvhwm, self.settings.topic_filters, heartbeat)
 
     # -- endpoint set ------------------------------------------------------------------
     def sync(self) -> None:
@@ -190,21 +171,10 @@ class KvEventSubscriber:
                     self._open(pod, rank, now)
 
     def _open(self, pod: str, rank: int, now: float) -> None:
-        sock: zmq.asyncio.Socket | None = None
-        monitor: zmq.asyncio.Socket | None = None
         try:
-            sock = self._sub_socket()
-            # Reachable = the ZMTP handshake succeeded (a frozen engine's kernel still accepts TCP).
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-            sock.connect(endpoint_url(pod, self.settings.port + rank))
+            sock, monitor = open_monitored(self._sub_socket, endpoint_url(pod, self.settings.port + rank))
         except zmq.ZMQError as err:
-            # Out of sockets or file descriptors: close what was built, and try again at the next sync.
-            if monitor is not None:
-                monitor.close(linger=0)
-            if sock is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disable_monitor()
-                sock.close(linger=0)
+            # Out of sockets or file descriptors (what was built is closed): tried again at the next sync.
             self.socket_errors["stream"] += 1
             self.ingest.freshness.watch(pod, now)
             self.ingest.freshness.disconnected(pod, now)  # not listened to: stale (`publisher_unreachable`)
@@ -221,17 +191,12 @@ class KvEventSubscriber:
 
     def _drop_pod(self, pod: str) -> None:
         for key in [k for k in self._streams if k[0] == pod]:
-            sock, monitor, tasks = self._streams.pop(key)
-            for t in tasks:
-                t.cancel()
-            with contextlib.suppress(zmq.ZMQError):
-                sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
+            close_stream(self._streams.pop(key))
         for key in [k for k in self._replays if k[0] == pod]:
             self._replays.pop(key).cancel()
         self.ingest.remove_pod(pod)
         self._logs.forget(pod)
+        self._backoff.forget(pod)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -250,8 +215,10 @@ class KvEventSubscriber:
         handle = self.handle
         flush = self.ingest.index.flush
         handled = 0  # since the loop last yielded: awaiting a message already queued does not yield
+        frames = await recv()
+        if pod is not None:
+            self._backoff.reset((pod, rank))  # heard from: a later refusal starts from the shortest delay
         while True:
-            frames = await recv()
             while True:
                 try:
                     handle(frames, pod, rank)
@@ -271,6 +238,7 @@ class KvEventSubscriber:
                 flush()
             except Exception:
                 log.exception("kv events: unexpected error flushing the index after %s", pod or "central")
+            frames = await recv()
 
     def handle(self, frames: list[bytes], pod: str | None, rank: int) -> None:
         now = self.clock.now()
@@ -330,24 +298,49 @@ class KvEventSubscriber:
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket, pod: str, rank: int) -> None:
         try:
-            while True:
-                msg = await monitor.recv_multipart()
-                event = parse_monitor_message(msg)["event"]
-                now = self.clock.now()
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.ingest.freshness.connected(pod, now)
-                    need = self.ingest.on_connected(pod, rank, now)
-                    if need is not None:
-                        self._start_replay(need)
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self.ingest.freshness.disconnected(pod, now)
-                    self.ingest.on_disconnected(pod, rank)
-                    replay = self._replays.pop((pod, rank), None)
-                    if replay is not None:
-                        replay.cancel()  # whoever answers next may be a new engine: start again then
-                    self._logs.warn(pod, "disconnected", "kv events publisher of %s disconnected", pod)
+            ended = await watch_session(
+                monitor,
+                self.session_grace,
+                lambda: self._connected(pod, rank),
+                lambda: self._disconnected(pod, rank),
+            )
         finally:
             monitor.close(linger=0)
+        # libzmq will not reconnect; the pod is `publisher_unreachable` since the loss (`_disconnected`).
+        delay = self._backoff.next((pod, rank))
+        if ended.handshaken:  # a message was refused: counted, logged
+            self._drop(pod, "oversized", self.clock.now(), ended.describe(rank, delay))
+        else:
+            self._logs.warn(
+                pod, "handshake", "kv events publisher of %s: %s", pod, ended.describe(rank, delay)
+            )
+        await asyncio.sleep(delay)
+        self._reopen(pod, rank)
+
+    def _connected(self, pod: str, rank: int) -> None:
+        now = self.clock.now()
+        self.ingest.freshness.connected(pod, now)
+        need = self.ingest.on_connected(pod, rank, now)
+        if need is not None:
+            self._start_replay(need)
+
+    def _disconnected(self, pod: str, rank: int) -> None:
+        self.ingest.freshness.disconnected(pod, self.clock.now())
+        self.ingest.on_disconnected(pod, rank)
+        replay = self._replays.pop((pod, rank), None)
+        if replay is not None:
+            replay.cancel()  # whoever answers next may be a new engine: start again then
+        self._logs.warn(pod, "disconnected", "kv events publisher of %s disconnected", pod)
+
+    def _reopen(self, pod: str, rank: int) -> None:
+        """Replace the pod's socket whose session ended (unless the pod left meanwhile)."""
+        key = (pod, rank)
+        entry = self._streams.get(key)
+        if entry is None or asyncio.current_task() not in entry[2]:
+            return
+        close_stream(self._streams.pop(key))
+        if self.datastore.get(pod) is not None:
+            self._open(pod, rank, self.clock.now())
 
     # -- replay ------------------------------------------------------------------------
     def _start_replay(self, need: NeedReplay) -> None:
@@ -407,8 +400,7 @@ class KvEventSubscriber:
             await asyncio.sleep(self.settings.replay_timeout)
             return False, start
         try:
-            if self.settings.mode == "central":  # one socket per attempt: a refused message fails it
-                sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # one socket per attempt: a refusal fails it
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IPV6, 1)
             sock.connect(url)
