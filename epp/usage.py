@@ -16,6 +16,27 @@ line that carries output. Not output: comments (vLLM's `--sse-keep-alive-interva
 `: keep-alive` while a request queues or prefills), the Responses API's `response.created`,
 `response.in_progress` and `response.queued` events (vLLM sends the first two before it schedules
 the request), error events and `[DONE]`.
+
+SSE also tells when a stream that started with a 2xx status failed on the way (`UsageReader.error`,
+the `error_code` label it is counted under; None while it has not): the engines send the error as an
+event, not as a status, once the 200 is out.
+
+- Chat / Completions, vLLM: `data: {"error": {"message", "type", "param", "code": <HTTP status>}}`
+  then `data: [DONE]` (vllm-project/vllm vllm/entrypoints/openai/chat_completion/serving.py and
+  completion/serving.py, `create_streaming_error_response`; `ErrorInfo` in
+  vllm/entrypoints/serve/engine/protocol.py). SGLang sends the same shape, its `ErrorResponse` with
+  `"object": "error"` (sgl-project/sglang python/sglang/srt/entrypoints/openai/serving_base.py
+  `create_streaming_error_response`, used by serving_chat.py / serving_completions.py).
+- Responses API: an `error` event (`"type": "error"`, a string or null `code`, OpenAI's
+  `ResponseErrorEvent`) or `response.failed` (its `response.error.code`); vLLM's
+  vllm/entrypoints/openai/responses/serving.py (`responses_stream_generator`) builds the event for a
+  `GenerationError` from the same `{"error": {...}}` JSON as above.
+
+`error_code`: `ModelServerError<code>` when the error's `code` is an HTTP status (400..599), as for a
+non-2xx response, else `ModelServerError` (no code, or a string one: a fixed label, so a model server
+cannot grow the metric's series). Only `data:` lines with the bytes `"error"` or `response.failed`
+(or in an `event: error` / `event: response.failed`) are decoded for it: the per-chunk cost stays a
+substring search. The first error wins; a stream that errs before any output has no first token.
 """
 
 from __future__ import annotations
@@ -33,6 +54,11 @@ MAX_TOKENS = 2**53
 PREAMBLE_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
 """Responses API stream events sent before any output (vLLM: as soon as the request is accepted)."""
 _PREAMBLE_EVENT_NAMES = frozenset(e.encode() for e in PREAMBLE_EVENTS)
+
+
+STREAM_ERROR = "ModelServerError"
+"""The `error_code` of a stream error event without an HTTP status as its `code`."""
+_ERROR_EVENTS = frozenset({b"error", b"response.failed"})
 
 
 class InvalidUsage(ValueError):
@@ -102,12 +128,36 @@ def _is_output(payload: bytes, event: bytes) -> bool:
     return not ("error" in doc and "choices" not in doc)  # vLLM / SGLang mid-stream error bodies
 
 
+def error_code(doc: Any) -> str | None:
+    """The `error_code` of a decoded SSE event if it reports an error (None if it does not)."""
+    if not isinstance(doc, dict):
+        return None
+    kind = doc.get("type")
+    if kind == "error":  # Responses API `error` event: the code at the top
+        return _code_label(doc.get("code"))
+    if kind == "response.failed":
+        response = doc.get("response")
+        err = response.get("error") if isinstance(response, dict) else None
+        return _code_label(err.get("code") if isinstance(err, dict) else None)
+    err = doc.get("error")
+    if not err or "choices" in doc:
+        return None  # a chunk (`choices`), or an event whose `error` is empty (null, false, "")
+    return _code_label(err.get("code") if isinstance(err, dict) else None)
+
+
+def _code_label(code: Any) -> str:
+    if type(code) is int and 400 <= code <= 599:
+        return f"ModelServerError{code}"
+    return STREAM_ERROR
+
+
 class UsageReader:
     def __init__(self, sse: bool) -> None:
         self.sse = sse
         self.usage: Usage | None = None
         self.invalid = False  # the (last) usage seen had an impossible count: ignored
         self.first_token = False  # SSE: a complete `data:` line with output has been seen
+        self.error: str | None = None  # SSE: the `error_code` of the first error event seen
         self._buf = bytearray()
         self._overflow = False
         self._event = b""  # SSE: the current event's `event:` field
@@ -141,7 +191,11 @@ class UsageReader:
                 self._event = line[6:].strip()
             return  # also comments (`: keep-alive`), `id:` and `retry:`
         payload = line[5:].strip()
-        if not self.first_token and _is_output(payload, self._event):
+        if self.error is None and (
+            b'"error"' in payload or b"response.failed" in payload or self._event in _ERROR_EVENTS
+        ):
+            self.error = self._error(payload)
+        if not self.first_token and self.error is None and _is_output(payload, self._event):
             self.first_token = True
         if b'"usage"' not in payload:
             return
@@ -154,6 +208,15 @@ class UsageReader:
             return
         if found is not None:
             self.usage, self.invalid = found, False
+
+    def _error(self, payload: bytes) -> str | None:
+        try:
+            code = error_code(_decoder.decode(payload))
+        except (msgspec.DecodeError, RecursionError):  # not JSON: an error only by its `event:` name
+            return STREAM_ERROR if self._event in _ERROR_EVENTS else None
+        if code is None and self._event in _ERROR_EVENTS:
+            return STREAM_ERROR
+        return code
 
     def finish(self) -> Usage | None:
         if self.sse:

@@ -78,6 +78,7 @@ class RoutedRequest:
     incoming_model: str | None = None  # the client's model when the rewrite header or a rule replaced it
     observable: bool = False  # its first response byte will be its first token (streamed both ways)
     served: str | None = None  # the endpoint Envoy reports it used, when it says
+    stream_error: str | None = None  # a 2xx stream's error event, as its `error_code` (`on_stream_error`)
 
     @property
     def estimate(self) -> TtftEstimate | None:
@@ -310,6 +311,19 @@ class Director:
             model, target = self.model_labels(routed.request, routed.incoming_model)
             self.metrics.request_errors(model, target, f"ModelServerError{status}").inc()
 
+    def on_stream_error(self, routed: RoutedRequest, code: str) -> None:
+        """A stream that started with a 2xx status carried an error event (`UsageReader.error`; vLLM and
+        SGLang send `data: {"error": {...}}` once the 200 is out): counted once in the request errors
+        under `code`, as a non-2xx status is; its end is then released as `error`, and its first token
+        (if it comes after) calibrates nothing. A non-2xx response was counted by its status already."""
+        if routed.stream_error is not None:
+            return
+        if routed.status is not None and not 200 <= routed.status < 300:
+            return
+        routed.stream_error = code
+        model, target = self.model_labels(routed.request, routed.incoming_model)
+        self.metrics.request_errors(model, target, code).inc()
+
     def on_first_byte(self, routed: RoutedRequest) -> None:
         if routed.first_byte_at is not None:
             return
@@ -322,6 +336,7 @@ class Director:
             routed.observable
             and routed.status is not None
             and 200 <= routed.status < 300
+            and routed.stream_error is None  # e.g. vLLM's role chunk sent with the error that follows it
             and routed.served in (None, routed.decision.primary)
         )
         accounting.first_token(
@@ -331,8 +346,10 @@ class Director:
     def finish(
         self, routed: RoutedRequest, cause: str, usage: Usage | None = None, usage_invalid: bool = False
     ) -> None:
-        """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect.
-        `usage_invalid`: the response's usage had an impossible count and was ignored."""
+        """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect
+        (`error` also for a 2xx stream that carried an error event, whose usage, when it sent one, is
+        recorded all the same: the tokens were spent). `usage_invalid`: the response's usage had an
+        impossible count and was ignored."""
         if not self.datastore.release(routed.ticket):
             return
         m = self.metrics

@@ -5,10 +5,10 @@ Request path: headers are held until the body ends (FULL_DUPLEX_STREAMED) or ans
 returned as a header and as `envoy.lb` dynamic metadata. A request with a body in `request_body_mode`
 STREAMED or NONE is refused at its headers (`unsupported_mode`): Envoy routes on the headers' answer
 there, before the EPP has read any body, so the pick could not reach it. Response path: the
-body is echoed (duplex) while usage and the first byte are recorded, and the request's
-in-flight accounting is released at the end, on error, or when the stream goes away. The response
-is the backend's: bookkeeping never fails it (an unexpected error is counted and logged, and the
-response passed on).
+body is echoed (duplex) while usage, the first byte and a stream's error event (`UsageReader`) are
+recorded, and the request's in-flight accounting is released at the end, on error, or when the
+stream goes away. The response is the backend's: bookkeeping never fails it (an unexpected error is
+counted and logged, and the response passed on).
 """
 
 from __future__ import annotations
@@ -339,6 +339,10 @@ class RequestStream:
             try:
                 if usage is not None:
                     usage.feed(body.body)
+                    if usage.error is not None and routed.stream_error is None:
+                        # an error event in a 2xx stream: counted now (before this chunk's first token,
+                        # which then calibrates nothing), released as `error` at the end (`_finish`)
+                        self.director.on_stream_error(routed, usage.error)
             except Exception:
                 self.director.bookkeeping_failed("the response body")
             try:
@@ -360,7 +364,8 @@ class RequestStream:
         return (pb.ProcessingResponse(response_body=pb.BodyResponse()),)
 
     def _end_cause(self) -> str:
-        """How a response that ended ended: `complete` with a 2xx status, else `error`."""
+        """How a response that ended ended: `complete` with a 2xx status, else `error` (`_finish` turns
+        `complete` into `error` when the stream carried an error event)."""
         status = self.routed.status if self.routed is not None else None
         return "complete" if status is None or 200 <= status < 300 else "error"
 
@@ -370,11 +375,16 @@ class RequestStream:
             return
         usage, invalid = None, False
         try:
-            if self.usage is not None and cause == "complete":
-                usage = self.usage.finish()
-                invalid = self.usage.invalid
+            reader = self.usage
+            if reader is not None and cause == "complete":
+                usage = reader.finish()  # (reads the last line too, when no newline ended it)
+                invalid = reader.invalid
+                if reader.error is not None:
+                    self.director.on_stream_error(routed, reader.error)
         except Exception:
             self.director.bookkeeping_failed("reading the response's usage")
+        if cause == "complete" and routed.stream_error is not None:
+            cause = "error"  # a 2xx stream that carried an error event; its usage is still recorded
         try:
             self.director.finish(routed, cause, usage, invalid)
         except Exception:

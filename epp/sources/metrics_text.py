@@ -13,6 +13,16 @@ sample with the highest value (a timestamp) wins. Non-finite samples (`NaN`, `±
 A waiting or running series with a non-empty `priority` label is skipped: SGLang with priority
 scheduling exports the total under `priority=""` and the same requests again per priority.
 
+Parallel ranks of one SGLang scheduler are not summed. Every SGLang scheduler process labels its
+gauges with its `tp_rank`, `pp_rank` and `moe_ep_rank` (and `dp_rank` with data parallelism):
+sgl-project/sglang python/sglang/srt/managers/scheduler_metrics_mixin.py `init_metrics`, gauges in
+python/sglang/srt/metrics/collector.py. The tensor / pipeline / expert ranks of one data-parallel rank
+run the same scheduling loop over the same requests, so with `--enable-metrics-for-all-schedulers`
+(by default only attention-TP rank 0 logs) they report the same running / queued requests once per
+rank. Summing them would multiply the pod's load by its TP size. So the series that differ only in
+those rank labels count once (their maximum); series that differ in anything else (`dp_rank`: separate
+schedulers; `engine`; `model_name`) are summed as above. KV usage takes the maximum either way.
+
 Engine versions: vLLM's KV usage is `vllm:kv_cache_usage_perc` (0.10+), else the older
 `vllm:gpu_cache_usage_perc`; SGLang's is `sglang:kv_cache_usage_perc` where exported (newer releases:
 KV pools only), else `sglang:token_usage` (which also counts a hybrid model's Mamba state pool).
@@ -40,6 +50,7 @@ class MetricsParseError(ValueError):
 
 _WAITING, _RUNNING, _KV, _KV_LEGACY, _GEOMETRY, _QUERIES, _HITS, _LORA = range(8)
 _KV_SGLANG, _PAGE_SIZE, _NUM_PAGES = range(8, 11)
+_SUMMED = frozenset({_WAITING, _RUNNING, _QUERIES, _HITS})
 
 _SERIES: dict[str, int] = {
     "vllm:num_requests_waiting": _WAITING,
@@ -64,6 +75,8 @@ KNOWN_SERIES: frozenset[str] = frozenset(_SERIES)
 """The sample names this parser reads; every other line of the page is skipped unparsed."""
 
 _PREFIXES = tuple(_SERIES)
+_RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
+"""Labels that tell apart the parallel ranks of one SGLang scheduler (duplicates of one state)."""
 _GEOMETRY_LABELS = {
     "vllm:cache_config_info": ("block_size", "num_gpu_blocks"),
     "sglang:cache_config_info": ("page_size", "num_pages"),
@@ -99,6 +112,8 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
     models: set[str] = set()
     lora_at = -math.inf
     lora: dict[str, str] | None = None
+    # (series kind, the labels other than the rank labels) -> the largest value over the ranks
+    ranked: dict[tuple[int, frozenset[tuple[str, str]]], float] = {}
 
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line.startswith(_PREFIXES):
@@ -132,12 +147,16 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
                 lora, lora_at = labels, stamp
         elif not math.isfinite(value):
             continue
+        elif kind in (_WAITING, _RUNNING) and labels.get("priority"):
+            continue  # a per-priority series repeats part of the total
+        elif kind in _SUMMED and _has_rank(labels):
+            key = (kind, frozenset(item for item in labels.items() if item[0] not in _RANK_LABELS))
+            seen = ranked.get(key)
+            ranked[key] = value if seen is None else max(seen, value)
         elif kind == _WAITING:
-            if not labels.get("priority"):  # a per-priority series repeats part of the total
-                waiting += value
+            waiting += value
         elif kind == _RUNNING:
-            if not labels.get("priority"):
-                running += value
+            running += value
         elif kind == _KV:
             kv = value if kv is None else max(kv, value)
         elif kind == _KV_LEGACY:
@@ -155,6 +174,15 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
         else:  # _HITS
             hits = (hits or 0.0) + value
 
+    for (kind, _), value in ranked.items():  # each scheduler once, then summed like the rest
+        if kind == _WAITING:
+            waiting += value
+        elif kind == _RUNNING:
+            running += value
+        elif kind == _QUERIES:
+            queries = (queries or 0.0) + value
+        else:  # _HITS
+            hits = (hits or 0.0) + value
     if not found:
         raise MetricsParseError(
             "no known engine metrics (vllm:* or sglang:* queue/KV series) on the page; "
@@ -185,6 +213,10 @@ def parse_metrics(text: str, observed_at: float) -> MetricsSnapshot:
         waiting_lora_adapters=_adapters(lora.get("waiting_lora_adapters")),
         max_lora=_positive_int(lora.get("max_lora"), MAX_REQUESTS),
     )
+
+
+def _has_rank(labels: dict[str, str]) -> bool:
+    return "tp_rank" in labels or "pp_rank" in labels or "moe_ep_rank" in labels
 
 
 def _parse_sample(line: str, pos: int) -> tuple[dict[str, str], float]:
