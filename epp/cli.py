@@ -29,6 +29,7 @@ from epp.costmodel.service import CostModel
 from epp.discovery.flags import add_discovery_flags, discovery_settings
 from epp.discovery.settings import DiscoverySettings
 from epp.durations import parse_duration
+from epp.kvindex.chat_inputs import TokenizerSpec
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
@@ -229,7 +230,13 @@ def _load(args: argparse.Namespace) -> EppConfig:
     problem = kv.check()
     if problem is not None:
         raise ConfigError("flags", "kv events", problem[0], problem[1])
-    tokenizers = {**cfg.tokenizers, **dict(args.tokenizer)}
+    tokenizers = dict(cfg.tokenizers)
+    for model, path in args.tokenizer:  # a directory given for a model with server chat settings keeps them
+        entry = tokenizers.get(model)
+        if isinstance(entry, TokenizerSpec):
+            tokenizers[model] = dataclasses.replace(entry, path=path)
+        else:
+            tokenizers[model] = path
     return dataclasses.replace(cfg, kv_events=kv, tokenizers=tokenizers)
 
 

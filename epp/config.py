@@ -38,6 +38,7 @@ from epp.config_sections import (
     KvEventsEntry,
     SaturationEntry,
     TenancyEntry,
+    TokenizerEntry,
     _Struct,
     admission_config,
     explain_config,
@@ -45,10 +46,12 @@ from epp.config_sections import (
     refuse_unsupported,
     saturation_config,
     tenancy_config,
+    tokenizers_config,
     validation_error,
 )
 from epp.costmodel.profile import ProfileError
 from epp.costmodel.service import CostModelSettings, parse_cost_model
+from epp.kvindex.chat_inputs import TokenizerSpec
 from epp.scheduling.admission import Admission
 from epp.scheduling.framework import Filter, Picker, PluginHandle, ProfileHandler, Scorer
 from epp.scheduling.plugins.max_score_picker import MaxScorePicker
@@ -102,7 +105,7 @@ class ConfigDoc(_Struct):
     feature_gates: list[str] = []
     kv_events: KvEventsEntry | None = None
     index: IndexEntry | None = None
-    tokenizers: dict[str, str] = {}
+    tokenizers: dict[str, str | TokenizerEntry] = {}
     cost_model: dict[str, Any] | None = None
     admission: AdmissionEntry | None = None
     tenancy: TenancyEntry | None = None
@@ -124,7 +127,9 @@ class EppConfig:
     saturation: SaturationDetector
     kv_events: KvEventsConfig = dataclasses.field(default_factory=KvEventsConfig)
     index: IndexConfig = dataclasses.field(default_factory=IndexConfig)
-    tokenizers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tokenizers: Mapping[str, str | TokenizerSpec] = dataclasses.field(default_factory=dict)
+    """model -> its tokenizer directory, or a `TokenizerSpec` when the config mirrors the model's vLLM
+    server-side chat settings (`tokenizers: {model: {path, defaultChatTemplateKwargs, ...}}`)."""
     cost_model: CostModelSettings = dataclasses.field(default_factory=CostModelSettings)
     admission: Admission = dataclasses.field(default_factory=Admission)
     tenancy: TenancyConfig | None = None
@@ -237,9 +242,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         raise ConfigError(source, "index", "maxEntries", "must be >= 1")
     if idx.max_keyed_prompt_chars < 0:
         raise ConfigError(source, "index", "maxKeyedPromptChars", "must be >= 0")
-    for model, path in doc.tokenizers.items():
-        if not model or not path:
-            raise ConfigError(source, "tokenizers", model or "<empty>", "needs a model name and a directory")
+    tokenizers = tokenizers_config(source, doc.tokenizers)
     try:
         cost_model = parse_cost_model(doc.cost_model)
     except ProfileError as err:
@@ -252,7 +255,7 @@ def parse_config(text: str, source: str = "<config>") -> EppConfig:
         saturation,
         kv,
         IndexConfig(idx.block_size, idx.max_entries, idx.max_keyed_prompt_chars),
-        dict(doc.tokenizers),
+        tokenizers,
         cost_model,
         admission_config(source, doc.admission or AdmissionEntry()),
         tenancy_config(source, doc.tenancy),

@@ -14,6 +14,14 @@ from typing import Any
 import msgspec
 
 from epp.durations import parse_duration
+from epp.kvindex.chat_inputs import (
+    CONTENT_FORMATS,
+    ChatTemplateError,
+    ServerChatSettings,
+    TokenizerSpec,
+    default_kwargs_problem,
+)
+from epp.kvindex.chat_template import ChatTemplate
 from epp.kvindex.ingest import MAX_DP_RANKS
 from epp.scheduling.admission import Admission
 from epp.scheduling.saturation import SaturationDetector
@@ -94,7 +102,34 @@ def validation_error(source: str, raw: Any, err: msgspec.ValidationError) -> Con
     """The ConfigError for msgspec's error on the document `raw`: where (named as the checks after
     parsing name it, with the position) and the field."""
     where, field = _split_msgspec(err)
-    return ConfigError(source, _named_where(raw, where), field, str(err).split(" - at ")[0])
+    message = str(err).split(" - at ")[0]
+    if where.startswith(_TOKENIZERS_AT):  # msgspec does not name a mapping's key: find the model
+        rest = where.removeprefix(_TOKENIZERS_AT)
+        model = _bad_tokenizer(raw)
+        where = "tokenizers" if model is None else f"tokenizers {model!r}"
+        if field == "(a key)" and rest:
+            field = f"{rest.lstrip('.')} (a key)"
+        elif not rest and message.startswith("Expected"):
+            field = ""
+            message = f"must be a tokenizer directory or an object with a `path` ({message})"
+        elif not rest:
+            keys = ", ".join(f.encode_name for f in msgspec.structs.fields(TokenizerEntry))
+            message = f"{message} (an entry takes {keys})"
+    return ConfigError(source, _named_where(raw, where), field, message)
+
+
+_TOKENIZERS_AT = "tokenizers[...]"
+
+
+def _bad_tokenizer(raw: Any) -> str | None:
+    """The first model whose `tokenizers` entry does not validate (`raw` failed as a whole)."""
+    entries = raw.get("tokenizers") if isinstance(raw, dict) else None
+    for model, entry in entries.items() if isinstance(entries, dict) else ():
+        try:
+            msgspec.convert(entry, str | TokenizerEntry, strict=True)
+        except msgspec.ValidationError:
+            return str(model)
+    return None
 
 
 class _Struct(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
@@ -117,6 +152,16 @@ class IndexEntry(_Struct):
     block_size: int = 16
     max_entries: int = 10_000_000
     max_keyed_prompt_chars: int = 524_288
+
+
+class TokenizerEntry(_Struct):
+    """A `tokenizers` value in its object form: the directory and the model's vLLM server-side chat settings
+    (`--default-chat-template-kwargs`, `--chat-template`, `--chat-template-content-format`)."""
+
+    path: str
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
 
 
 class AdmissionEntry(_Struct):
@@ -190,6 +235,52 @@ class IndexConfig:
 class ExplainConfig:
     keep: int = 100  # decisions kept for /debug/decisions
     response_header: bool = False  # x-epp-decision on responses
+
+
+def tokenizers_config(
+    source: str, entries: Mapping[str, str | TokenizerEntry]
+) -> dict[str, str | TokenizerSpec]:
+    """`{model: directory}`, or `{model: {path, defaultChatTemplateKwargs, chatTemplate,
+    chatTemplateContentFormat}}`: an entry without server-side settings is its directory, as before. The
+    checks that need no file: the template file is read when the tokenizers load (`TokenizerRegistry`),
+    beside the directory, which may exist only where the EPP runs (`check-config --skip-tokenizers`)."""
+    out: dict[str, str | TokenizerSpec] = {}
+    for model, entry in entries.items():
+        where = f"tokenizers {model!r}"
+        path = entry.path if isinstance(entry, TokenizerEntry) else entry
+        if not model:
+            raise ConfigError(source, "tokenizers", "<empty>", "needs a model name and a directory")
+        if not path:
+            field = "path" if isinstance(entry, TokenizerEntry) else ""
+            raise ConfigError(source, where, field, "needs a model name and a directory")
+        if not isinstance(entry, TokenizerEntry):
+            out[model] = entry
+            continue
+        kwargs = entry.default_chat_template_kwargs or {}
+        problem = default_kwargs_problem(kwargs)
+        if problem is not None:
+            raise ConfigError(source, where, "defaultChatTemplateKwargs", problem)
+        if entry.chat_template_content_format not in CONTENT_FORMATS:
+            raise ConfigError(
+                source,
+                where,
+                "chatTemplateContentFormat",
+                f"must be one of {', '.join(CONTENT_FORMATS)} (vLLM's --chat-template-content-format), "
+                f"got {entry.chat_template_content_format!r}",
+            )
+        template = entry.chat_template
+        if template is not None and not template.strip():
+            raise ConfigError(source, where, "chatTemplate", "must be a template file or a template, got ''")
+        if template is not None and any(
+            c in template for c in "{}\n"
+        ):  # the template itself (as vLLM reads it)
+            try:
+                ChatTemplate(template)
+            except ChatTemplateError as e:
+                raise ConfigError(source, where, "chatTemplate", f"not a valid chat template: {e}") from None
+        chat = ServerChatSettings(dict(kwargs), template, entry.chat_template_content_format)
+        out[model] = entry.path if chat.is_default else TokenizerSpec(entry.path, chat)
+    return out
 
 
 def admission_config(source: str, e: AdmissionEntry) -> Admission:

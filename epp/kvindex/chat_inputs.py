@@ -28,6 +28,13 @@ Pure: no I/O. Follows vLLM's chat path (`ChatCompletionRequest` validation, `par
   `messages` when the template reads it, ...) raise. A true `tokenize` has transformers encode the text
   without special tokens (`template_tokenizes`); a `chat_template` is a template of the request's own
   (`request_template`).
+- The server's own settings (`ServerChatSettings`, vLLM's `--default-chat-template-kwargs`, `--chat-template`,
+  `--chat-template-content-format`), as vLLM 0.32 applies them (`vllm/renderers/online_renderer.py`:
+  `OnlineRenderer.preprocess_chat` and `render_responses`; `vllm/renderers/params.py`: `merge_kwargs`,
+  `ChatParams.with_defaults`): the server's kwargs are the bottom layer, under the request's tools (and
+  `tokenize` False), under the client's kwargs (None and "auto" dropped), under the request's documents and
+  generation flags. A Responses request's None and "auto" kwargs are dropped too once the server has
+  defaults (`with_defaults` merges them in then, filtering; without defaults it hands them on as they are).
 - Nesting: no value the template receives (a message after parsing its tool calls' arguments, a tool, a
   chat_template_kwargs value the template reads) may nest objects and arrays more than `MAX_JSON_DEPTH`
   levels: `tojson(indent=...)` output grows with the square of the depth, and Python's JSON and Jinja
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_JSON_DEPTH = 32
@@ -74,6 +81,89 @@ class ChatTemplateError(ValueError):
 class NotTextContent(ChatTemplateError):
     """A message part the EPP cannot tokenize (an image, audio, embeddings): vLLM expands it into tokens
     and hashes only the engine knows."""
+
+
+# --- the server's own chat settings (vLLM's serve flags) ---
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+"""vLLM's `ChatTemplateContentFormatOption` (`--chat-template-content-format`): "auto" detects the format
+from the template's AST (`chat_template.detect_content_format`), the others force it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerChatSettings:
+    """What one model's vLLM server was started with that changes every chat prompt, as the EPP config
+    mirrors it (`tokenizers: {model: {path, defaultChatTemplateKwargs, chatTemplate,
+    chatTemplateContentFormat}}`). vLLM 0.32's flags (`vllm/entrypoints/openai/cli_args.py`,
+    `BaseFrontendArgs`): `--default-chat-template-kwargs` (a JSON object, "merged with request-level
+    chat_template_kwargs, with request values taking precedence"), `--chat-template` (a file path, else the
+    template itself: `vllm/renderers/chat_utils/chat_template.py`, `load_chat_template`), and
+    `--chat-template-content-format` (`auto`, `string`, `openai`)."""
+
+    default_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # the config's value: a file path or the template itself
+    content_format: str = "auto"
+
+    @property
+    def is_default(self) -> bool:
+        """Whether these are vLLM's defaults (nothing to mirror)."""
+        return not self.default_kwargs and self.chat_template is None and self.content_format == "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """A `tokenizers` entry with server-side chat settings: the tokenizer directory and the settings."""
+
+    path: str
+    chat: ServerChatSettings = field(default_factory=ServerChatSettings)
+
+
+# keys of --default-chat-template-kwargs that make vLLM fail every chat request (or, `chat_template`, that
+# would replace the template by a path the EPP does not reproduce): refused when the config is loaded
+_REFUSED_DEFAULTS = {
+    "chat_template": "give the server's template as chatTemplate (vLLM's --chat-template)",
+    "return_assistant_tokens_mask": "vLLM refuses a chat with it",
+    **dict.fromkeys(
+        ("conversation", "self", "model_config", "tokenizer"),
+        "vLLM fails every chat with it (the call already has that argument)",
+    ),
+}
+
+
+def _json_problem(value: Any, where: str) -> str | None:
+    """Where `value` holds something that JSON (vLLM's `json.loads` of the flag) cannot: a date, a set,
+    a non-string key..."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return None
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := _json_problem(v, f"{where}[{i}]"))), None)
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{where}: key {k!r} is not a string"
+            if (p := _json_problem(v, f"{where}.{k}")) is not None:
+                return p
+        return None
+    return f"{where}: {type(value).__name__} is not a JSON value"
+
+
+def default_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
+    """Why `kwargs` cannot be a server's --default-chat-template-kwargs, or None."""
+    for key, why in _REFUSED_DEFAULTS.items():
+        if key in kwargs and (key != "return_assistant_tokens_mask" or kwargs[key]):
+            return f"key {key!r}: {why}"
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            return f"key {key!r} is not a string"
+        problem = _json_problem(value, f"key {key!r}")
+        if problem is None:
+            try:
+                check_depth(value, f"key {key!r}")
+            except ChatTemplateError as e:
+                problem = str(e)
+        if problem is not None:
+            return problem
+    return None
 
 
 # --- nesting ---
@@ -352,9 +442,14 @@ def template_tokenizes(kwargs: Mapping[str, Any] | None) -> bool:
     return _is_set(value) and bool(value)
 
 
-def uses_tools(tools: Any, kwargs: Mapping[str, Any] | None) -> bool:
-    """Whether the template gets tools (transformers then picks a `tool_use` template when there is one)."""
-    return tools is not None or _is_set((kwargs or {}).get("tools"))
+def uses_tools(
+    tools: Any, kwargs: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None
+) -> bool:
+    """Whether the template gets tools (transformers then picks a `tool_use` template when there is one):
+    the request's, the client's kwargs' (set), or the server's default kwargs' (not None)."""
+    return (
+        tools is not None or _is_set((kwargs or {}).get("tools")) or (defaults or {}).get("tools") is not None
+    )
 
 
 def _encodes_otherwise(given: Mapping[str, Any]) -> bool:
@@ -393,6 +488,7 @@ def template_inputs(
     read: Collection[str] = (),
     *,
     keep_unset: bool = False,
+    defaults: Mapping[str, Any] | None = None,
 ) -> TemplateInputs:
     """The request's tools and documents and the client's `chat_template_kwargs` as vLLM 0.32 hands them to
     the template (`read`: the variables the template reads). The client's `tools` (unless None or "auto")
@@ -400,10 +496,14 @@ def template_inputs(
     override; the request's `documents`, when given, replace the client's (build_chat_params sets them over).
     `keep_unset`: the client's None and "auto" values stay (a Responses request: vLLM merges its kwargs in
     twice, first as defaults, which `merge_kwargs` does not filter); they yield to the request's tools.
+    `defaults`: the server's --default-chat-template-kwargs, the bottom layer (`_with_server_defaults`).
     ChatTemplateError where vLLM fails the request."""
     tools_out = canonical_tools(tools)  # validated even when replaced: vLLM's request model refuses them
     documents_out = checked_documents(documents)
+    keep_unset = keep_unset and not defaults
     given = {k: v for k, v in (kwargs or {}).items() if keep_unset or _is_set(v)}
+    if defaults:
+        given = _with_server_defaults(defaults, tools_out is not None) | given
     if request_template(kwargs):
         raise ChatTemplateError("chat_template_kwargs['chat_template']: a request's own chat template")
     clashing = [k for k in given if k in _CLASHING or (k in _CLASHING_IF_READ and k in read)]
@@ -421,3 +521,14 @@ def template_inputs(
         _each_object(documents_out, "chat_template_kwargs['documents']", "documents must be objects")
     variables = {k: v for k, v in given.items() if k not in _CALL_PARAMS}
     return TemplateInputs(tools_out, documents_out, variables)
+
+
+def _with_server_defaults(defaults: Mapping[str, Any], request_tools: bool) -> dict[str, Any]:
+    """The server's default kwargs as the layer under the client's. vLLM 0.32's `preprocess_chat` merges
+    `{tools: <the request's>, tokenize: False}` over them first (`merge_kwargs` skips the tools when the
+    request has none), so the server's `tokenize` never counts and its `tools` only for a request without
+    tools; `build_chat_params` then sets the request's documents and generation flags over everything."""
+    base = {k: v for k, v in defaults.items() if k != "tokenize"}
+    if request_tools:
+        base.pop("tools", None)
+    return base

@@ -15,6 +15,10 @@ Pure: no I/O, no clock (a template's `strftime_now` reads a wall clock only if o
   text parts and their extra keys, tool-call arguments, tools as vLLM's request model dumps them, the
   client's `chat_template_kwargs` merged as vLLM merges them, a nesting bound).
 - `continue_final_message` follows transformers: the rendered text stops where the final message ends.
+- A server's `--chat-template-content-format` other than "auto" replaces the detected format
+  (`content_format`), and its `--default-chat-template-kwargs` are the bottom layer of the kwargs
+  (`render(default_kwargs=...)`): as vLLM 0.32 applies them (`vllm/renderers/hf.py`,
+  `resolve_chat_template_content_format`; `chat_inputs.ServerChatSettings`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from epp.kvindex.chat_inputs import (
+    CONTENT_FORMATS,
     ChatTemplateError,
     check_depth,
     developer_as_system,
@@ -158,7 +163,14 @@ class ChatTemplate:
         *,
         special_tokens: Mapping[str, Any] | None = None,
         now: Callable[[], datetime] | None = None,
+        content_format: str = "auto",
     ) -> None:
+        """`content_format`: the server's `--chat-template-content-format`; "auto" detects it (vLLM's
+        `resolve_chat_template_content_format` uses a given format as it is)."""
+        if content_format not in CONTENT_FORMATS:
+            raise ChatTemplateError(
+                f"content format must be one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}"
+            )
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
         )
@@ -170,7 +182,7 @@ class ChatTemplate:
         try:
             self._template = env.from_string(source)
             root = env.parse(source)
-            self.content_format = _content_format(root)
+            self.content_format = _content_format(root) if content_format == "auto" else content_format
             self._variables = jinja2.meta.find_undeclared_variables(root)  # after: it may fold constants
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"syntax error on line {e.lineno}: {e.message}") from e
@@ -188,9 +200,11 @@ class ChatTemplate:
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
         keep_unset_kwargs: bool = False,
+        default_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """`keep_unset_kwargs`: the client's kwargs whose value is None or "auto" reach the template (vLLM's
-        Responses path); a chat completion's are dropped."""
+        Responses path); a chat completion's are dropped. `default_kwargs`: the server's
+        --default-chat-template-kwargs, under the request's (`chat_inputs.template_inputs`)."""
         if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
             raise ChatTemplateError("messages must be a list of message objects")
         if continue_final_message and add_generation_prompt:
@@ -204,7 +218,12 @@ class ChatTemplate:
         except (TypeError, AttributeError) as e:  # e.g. a text part whose text is not a string
             raise ChatTemplateError(f"malformed messages: {e}") from e
         inputs = template_inputs(
-            tools, documents, template_kwargs, self._variables, keep_unset=keep_unset_kwargs
+            tools,
+            documents,
+            template_kwargs,
+            self._variables,
+            keep_unset=keep_unset_kwargs,
+            defaults=default_kwargs,
         )
         final_text: str | None = None
         if continue_final_message:

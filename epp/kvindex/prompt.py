@@ -20,6 +20,11 @@ What "as the engine would" means here (vLLM 0.32 with a fast Hugging Face tokeni
   templates (`chat_template.jinja` and `additional_chat_templates/` win; a multimodal processor's
   `chat_template.json` serves chats without tools). `split_special_tokens` is honoured; truncation and
   padding from the file are switched off. A prompt the tokenizer cannot encode is a TokenizerError.
+- A server's own chat settings (`ServerChatSettings`: vLLM's `--chat-template`,
+  `--default-chat-template-kwargs`, `--chat-template-content-format`, mirrored per model in the config):
+  the server's template replaces the tokenizer's for every chat (vLLM's `resolve_chat_template`,
+  `vllm/renderers/hf.py`: the given template comes first, with or without tools), its format replaces
+  the detected one, its kwargs are merged under the request's (`chat_inputs.template_inputs`).
 - A rendered chat longer than `max_chars` is not encoded (`PromptTooLong`): a template can render a small
   body to megabytes (tool schemas under `tojson(indent=4)`).
 
@@ -43,7 +48,13 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from epp.kvindex.chat_inputs import NotTextContent, template_tokenizes, uses_tools
+from epp.kvindex.chat_inputs import (
+    NotTextContent,
+    ServerChatSettings,
+    TokenizerSpec,
+    template_tokenizes,
+    uses_tools,
+)
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
 from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
 from epp.kvindex.stable_cuts import special_affixes, stable_chunker
@@ -54,11 +65,20 @@ from epp.kvindex.tokenizer_files import (
     read_config,
     read_json,
     read_model_config,
+    server_template,
     template_sources,
 )
 from epp.types import ApiKind, ChatOptions, InferenceRequest
 
-__all__ = ["MultimodalPrompt", "PromptTokenizer", "PromptTooLong", "TokenizerError", "TokenizerRegistry"]
+__all__ = [
+    "MultimodalPrompt",
+    "PromptTokenizer",
+    "PromptTooLong",
+    "ServerChatSettings",
+    "TokenizerError",
+    "TokenizerRegistry",
+    "TokenizerSpec",
+]
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_CHUNK_CHARS = 1024
@@ -66,6 +86,8 @@ _PARALLEL_CHARS = 32 * 1024
 _GIL_FREE_CHARS = 8 * 1024  # a text this long is encoded by the batch call, without the GIL (`_ids`)
 _DEFAULT_CHAT = ChatOptions()
 _PROCESSOR = " processor"  # the multimodal processor's template, beside the tokenizer's named ones
+_SERVER = " server"  # the server's --chat-template: the only one then
+_NO_SETTINGS = ServerChatSettings()
 
 
 class PromptTooLong(TokenizerError):
@@ -98,12 +120,18 @@ class PromptTokenizer:
         template_origin: str = "",
         model_config: Mapping[str, Any] | None = None,
         processor_chat_template: tuple[str, str] | None = None,
+        server_chat_template: tuple[str, str] | None = None,
+        server: ServerChatSettings = _NO_SETTINGS,
     ) -> None:
         """`config`: tokenizer_config.json's (`read_config`); `model_config`: config.json's
         (`read_model_config`); `spec`: the parsed tokenizer.json (to decide which cuts are stable);
         `template_origin`: the file the chat templates came from (for error messages);
-        `processor_chat_template`: a multimodal processor's template and its file (`processor_template`)."""
+        `processor_chat_template`: a multimodal processor's template and its file (`processor_template`);
+        `server_chat_template`: the server's --chat-template and where it came from (`server_template`),
+        which replaces the others; `server`: the server's kwargs and content format (its `chat_template`
+        is read by `from_dir`)."""
         self.name = name
+        self.server = server
         try:
             self._tok, self.special_tokens, changed = configure(tokenizer, config or {}, model_config, spec)
         except TokenizerError as e:
@@ -116,13 +144,17 @@ class PromptTokenizer:
         sources = [(n, s, template_origin) for n, s in (chat_templates or {}).items()]
         if processor_chat_template is not None:
             sources.append((_PROCESSOR, *processor_chat_template))
+        if server_chat_template is not None:  # vLLM never reads the tokenizer's then
+            sources = [(_SERVER, *server_chat_template)]
         for template_name, source, origin in sources:
             try:
                 self._templates[template_name] = ChatTemplate(
-                    source, special_tokens=self.special_tokens, now=now
+                    source, special_tokens=self.special_tokens, now=now, content_format=server.content_format
                 )
             except ChatTemplateError as e:
                 where = f" in {origin}" if origin else ""
+                if template_name == _SERVER:
+                    raise TokenizerError(f"{name}: chatTemplate (vLLM's --chat-template){where}: {e}") from e
                 raise TokenizerError(f"{name}: chat template {template_name!r}{where}: {e}") from e
         try:
             chunker, self.chunking_notes = stable_chunker(self._tok, spec, chunk_chars)
@@ -144,14 +176,22 @@ class PromptTokenizer:
         chunk_chars: int = DEFAULT_CHUNK_CHARS,
         now: Callable[[], datetime] | None = None,
         name: str | None = None,
+        server: ServerChatSettings = _NO_SETTINGS,
     ) -> PromptTokenizer:
         """Load `tokenizer.json` (+ `tokenizer_config.json`, chat template files) from a local directory.
 
         `now` gives templates a wall clock (`strftime_now`, e.g. Llama 3.1's "Today Date"); without one,
         templates see `strftime_now` undefined (most fall back to a fixed date; others raise).
+        `server`: the model's server-side chat settings (its `chat_template` file is read here).
         """
         root = Path(path)
         label = name or str(root)
+        server_chat_template = None
+        if server.chat_template is not None:
+            try:
+                server_chat_template = server_template(server.chat_template)
+            except TokenizerError as e:
+                raise TokenizerError(f"{label}: chatTemplate (vLLM's --chat-template): {e}") from e
         if not root.is_dir():
             raise TokenizerError(f"{label}: tokenizer directory {root} does not exist")
         tokenizer_file = root / "tokenizer.json"
@@ -177,6 +217,8 @@ class PromptTokenizer:
             template_origin=origin,
             model_config=read_model_config(root),
             processor_chat_template=None if processor is None else (processor, processor_origin),
+            server_chat_template=server_chat_template,
+            server=server,
         )
 
     def _encode_body(self, text: str) -> list[int]:
@@ -263,8 +305,10 @@ class PromptTokenizer:
         (`keep_unset_kwargs`: a Responses request's, see `ChatTemplate.render`)."""
         # as vLLM picks: a processor's template for a chat without tools, else transformers' pick by the tools
         # the template gets (the client's chat_template_kwargs' win): tool_use, else default
-        with_tools = uses_tools(tools, chat_template_kwargs)
-        template = None if with_tools else self._templates.get(_PROCESSOR)
+        defaults = self.server.default_kwargs
+        with_tools = uses_tools(tools, chat_template_kwargs, defaults)
+        template = self._templates.get(_SERVER)  # the server's own comes first (vLLM's resolve_chat_template)
+        template = template or (None if with_tools else self._templates.get(_PROCESSOR))
         template = template or (self._templates.get("tool_use") if with_tools else None)
         template = template or self._templates.get("default")
         if template is None:  # transformers raises (vLLM then has no template either)
@@ -280,6 +324,7 @@ class PromptTokenizer:
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
                 keep_unset_kwargs=keep_unset_kwargs,
+                default_kwargs=defaults,
             )
         except NotTextContent as e:
             raise MultimodalPrompt(f"{self.name}: chat template: {e}") from e
@@ -352,11 +397,12 @@ class PromptTokenizer:
 
 
 class TokenizerRegistry:
-    """model name -> PromptTokenizer, `{model: path}`; unknown model -> None (precise scoring off)."""
+    """model name -> PromptTokenizer, `{model: path}` (or a `TokenizerSpec`: the path and the model's
+    server-side chat settings); unknown model -> None (precise scoring off)."""
 
     def __init__(
         self,
-        paths: Mapping[str, str | Path],
+        paths: Mapping[str, str | Path | TokenizerSpec],
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         chunk_chars: int = DEFAULT_CHUNK_CHARS,
@@ -364,10 +410,13 @@ class TokenizerRegistry:
     ) -> None:
         """Loads every tokenizer now; a bad one raises TokenizerError naming the model."""
         self._by_model: dict[str, PromptTokenizer] = {}
-        for model, path in paths.items():
+        for model, entry in paths.items():
+            path, server = (
+                (entry.path, entry.chat) if isinstance(entry, TokenizerSpec) else (entry, _NO_SETTINGS)
+            )
             try:
                 self._by_model[model] = PromptTokenizer.from_dir(
-                    path, cache_bytes=cache_bytes, chunk_chars=chunk_chars, now=now, name=model
+                    path, cache_bytes=cache_bytes, chunk_chars=chunk_chars, now=now, name=model, server=server
                 )
             except TokenizerError as e:
                 raise TokenizerError(f"model {model!r} (tokenizer at {path}): {e}") from e

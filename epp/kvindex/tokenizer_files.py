@@ -27,6 +27,7 @@ classes' `__init__`), checked against it (tests/unit/test_tokenizer_transformers
   again in id order (its flags win), then the named and extra tokens the tokenizer lacks.
 - `fix_mistral_regex: true` in the config replaces the pre-tokenizer's regex for a vocabulary over 100,000
   when config.json is a Mistral model's saved before transformers 5 (or does not say by which).
+- A server's `--chat-template` (`server_template`): a file, else the template itself, as vLLM resolves it.
 - Chat templates: `chat_template.jinja` and `additional_chat_templates/*.jinja` win over the config's.
   `chat_template.json` is a multimodal processor's template: read only beside a processor config
   (`processor_config.json` / `preprocessor_config.json`), where vLLM uses it for chats without tools.
@@ -127,6 +128,29 @@ def template_sources(root: Path, config: Mapping[str, Any]) -> tuple[dict[str, s
     ):
         return {t["name"]: t["template"] for t in value}, str(where)
     raise TokenizerError(f"{where}: chat_template must be a string or a list of {{name, template}}")
+
+
+_JINJA_CHARS = "{}\n"  # vLLM's JINJA_CHARS: a value with none of them is a path
+
+
+def server_template(value: str) -> tuple[str, str]:
+    """A server's `--chat-template` value -> (the template, where it came from), as vLLM 0.32's
+    `load_chat_template` resolves it (`vllm/renderers/chat_utils/chat_template.py`): the file of that path
+    (relative to the working directory) when it can be read, else the value itself when it has a Jinja
+    character (`{`, `}` or a newline), used as it is. Else TokenizerError: vLLM refuses to start
+    (`validate_chat_template`). Not reproduced: the names of vLLM's built-in templates
+    (`vllm/transformers_utils/chat_templates/`), which vLLM tries next: give such a template's file."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read(), value
+    except OSError as e:
+        if any(c in value for c in _JINJA_CHARS):
+            return value, "the config"
+        raise TokenizerError(
+            f"{value!r} looks like a file path, but cannot be read ({e.strerror or e}); vLLM refuses it too"
+        ) from e
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{value}: not UTF-8 text: {e}") from e
 
 
 def processor_template(root: Path) -> tuple[str | None, str]:
