@@ -46,6 +46,26 @@ class KubeObjects:
     def delete(self, resource: str, namespace: str, name: str) -> None:
         raise NotImplementedError
 
+    def _meta(
+        self,
+        kind: str,
+        name: str,
+        namespace: str,
+        finalizers: list[str] | None = None,
+        created: str = "2025-01-01T00:00:00Z",
+    ) -> Obj:
+        """An object's metadata as the API server fills it in (a fresh uid, generation 1)."""
+        meta: Obj = {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"{kind}-uid-{next(self._uids)}",
+            "generation": 1,
+            "creationTimestamp": created,
+        }
+        if finalizers:
+            meta["finalizers"] = list(finalizers)
+        return meta
+
     # -- pods --------------------------------------------------------------------------------
     def add_pod(
         self,
@@ -132,15 +152,7 @@ class KubeObjects:
         finalizers: list[str] | None = None,
     ) -> Obj:
         """A v1 InferencePool as the API server returns it (the CRD's defaults filled in)."""
-        meta: Obj = {
-            "name": name,
-            "namespace": namespace,
-            "uid": f"pool-uid-{next(self._uids)}",
-            "generation": 1,
-            "creationTimestamp": "2025-01-01T00:00:00Z",
-        }
-        if finalizers:
-            meta["finalizers"] = list(finalizers)
+        meta = self._meta("pool", name, namespace, finalizers)
         obj: Obj = {
             "apiVersion": f"{POOL_GROUP}/{POOL_VERSION}",
             "kind": "InferencePool",
@@ -174,9 +186,7 @@ class KubeObjects:
             obj["spec"]["selector"] = {"matchLabels": dict(selector)}
         if ports is not None:
             obj["spec"]["targetPorts"] = [{"number": p} for p in ports]
-        _set_finalizers(obj, finalizers)
-        if selector is not None or ports is not None:
-            obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
+        _changed(obj, finalizers, spec=selector is not None or ports is not None)
         return self.put(POOLS, obj)
 
     def put_pool(self, obj: Obj) -> Obj:
@@ -199,15 +209,7 @@ class KubeObjects:
     ) -> Obj:
         """A v1alpha2 InferencePool as the API server returns it (the CRD's defaults filled in):
         `spec.selector` is the label map itself, `spec.targetPortNumber` the one port."""
-        meta: Obj = {
-            "name": name,
-            "namespace": namespace,
-            "uid": f"pool-uid-{next(self._uids)}",
-            "generation": 1,
-            "creationTimestamp": "2025-01-01T00:00:00Z",
-        }
-        if finalizers:
-            meta["finalizers"] = list(finalizers)
+        meta = self._meta("pool", name, namespace, finalizers)
         obj: Obj = {
             "apiVersion": f"{ALPHA_POOL_GROUP}/{ALPHA_POOL_VERSION}",
             "kind": "InferencePool",
@@ -240,9 +242,7 @@ class KubeObjects:
             obj["spec"]["selector"] = dict(selector)
         if port is not None:
             obj["spec"]["targetPortNumber"] = port
-        _set_finalizers(obj, finalizers)
-        if selector is not None or port is not None:
-            obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
+        _changed(obj, finalizers, spec=selector is not None or port is not None)
         return self.put(ALPHA_POOLS, obj)
 
     def delete_alpha_pool(self, name: str, namespace: str = "default") -> None:
@@ -270,13 +270,7 @@ class KubeObjects:
         obj: Obj = {
             "apiVersion": KINDS[resource][1],
             "kind": "InferenceModelRewrite",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "uid": f"rewrite-uid-{next(self._uids)}",
-                "generation": 1,
-                "creationTimestamp": created,
-            },
+            "metadata": self._meta("rewrite", name, namespace, created=created),
             "spec": {"poolRef": ref, "rules": copy.deepcopy(rules)},
             "status": {
                 "conditions": [
@@ -308,9 +302,7 @@ class KubeObjects:
             obj["spec"]["rules"] = copy.deepcopy(rules)
         if pool is not None:
             obj["spec"]["poolRef"]["name"] = pool
-        _set_finalizers(obj, finalizers)
-        if rules is not None or pool is not None:
-            obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
+        _changed(obj, finalizers, spec=rules is not None or pool is not None)
         return self.put(resource, obj)
 
     def put_rewrite(self, obj: Obj, resource: str = REWRITES) -> Obj:
@@ -328,3 +320,10 @@ def _set_finalizers(obj: Obj, finalizers: list[str] | None) -> None:
             obj["metadata"]["finalizers"] = list(finalizers)
         else:
             obj["metadata"].pop("finalizers", None)
+
+
+def _changed(obj: Obj, finalizers: list[str] | None, *, spec: bool) -> None:
+    """An update: its finalizers (`[]` removes them), and the next generation when the spec changed."""
+    _set_finalizers(obj, finalizers)
+    if spec:
+        obj["metadata"]["generation"] = int(obj["metadata"].get("generation", 1)) + 1
