@@ -76,7 +76,7 @@ from epp.kvindex.events import KNOWN_TIERS
 from epp.kvindex.eviction import MAX_KEYS_PER_RECORD
 from epp.kvindex.holdings import MAX_PODS, MAX_TIERS, Batch, Holdings
 from epp.kvindex.keys import state_of
-from epp.kvindex.packing import StoreTokens, as_u64, flat_tokens, pack_tokens
+from epp.kvindex.packing import StoreTokens, as_u64, flat_tokens, pack_tokens, unsigned, unsigned_parent
 from epp.kvindex.reads import IndexReads
 from epp.kvindex.removals import IndexRemovals
 from epp.kvindex.store_queue import IndexQueue, QueuedEvent
@@ -188,7 +188,8 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         Engine hashes are 64-bit ints (`events.decode_batch` makes them unsigned; an engine that always
         sends them signed works too). A `token_ids` array may be kept by reference until the next flush."""
         pid, tid = self._ids(pod, tier)
-        k = self._store(pid, tid, engine_hashes, parent_engine_hash, token_ids, engine_block_size, root)
+        hashes, parent = unsigned(engine_hashes), unsigned_parent(parent_engine_hash)
+        k = self._store(pid, tid, hashes, parent, token_ids, engine_block_size, root)
         if k < 0:
             return _ORPHAN
         return _STORED[k] if k < len(_STORED) else StoreOutcome(k, False)

@@ -71,3 +71,16 @@ def as_u64(values: Sequence[int]) -> npt.NDArray[np.uint64]:
         return np.array(values, dtype=np.uint64)
     except OverflowError:  # signed (SGLang) or oversized hashes that bypassed the decoder
         return np.array([v & MASK64 for v in values], dtype=np.uint64)
+
+
+def unsigned(hashes: Sequence[int]) -> Sequence[int]:
+    """Engine hashes as unsigned 64-bit ints, a signed one (as SGLang sends them) taken modulo 2^64: the
+    queue's sets and maps key hashes by value, so one hash in two forms would be two blocks. As given when
+    none is negative (what the decoders give: one C-level `min`)."""
+    if len(hashes) == 0 or min(hashes) >= 0:
+        return hashes
+    return [h & MASK64 for h in hashes]
+
+
+def unsigned_parent(parent: int | None) -> int | None:
+    return parent & MASK64 if parent is not None and parent < 0 else parent

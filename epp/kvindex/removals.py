@@ -18,7 +18,7 @@ import numpy.typing as npt
 from epp.kvindex import removal_loop
 from epp.kvindex.eviction import MAX_KEYS_PER_RECORD
 from epp.kvindex.holdings import TIER_SHIFT, U64, Holdings
-from epp.kvindex.packing import as_u64
+from epp.kvindex.packing import as_u64, unsigned
 from epp.kvindex.probe import Index
 
 
@@ -62,6 +62,7 @@ class IndexRemovals:
         block goes with its last copy). Returns the entries they released: the index blocks completed by
         the engine blocks whose tier went, held on that tier (one still completed by another engine block
         of the pod stays held; `stats().entries` is exact)."""
+        engine_hashes = unsigned(engine_hashes)
         pid = self._pod_ids.get(pod)
         tid = self._known_tier(pid, engine_hashes, tier)
         if pid is None or tid is None:
@@ -105,6 +106,7 @@ class IndexRemovals:
     def discard(self, pod: str, engine_hashes: Sequence[int], tier: str) -> None:
         """BlockRemoved, as `remove`, without the count of entries released: the engine blocks are looked
         up in the next batch, all at once, instead of one by one now (a few times cheaper)."""
+        engine_hashes = unsigned(engine_hashes)
         pid = self._pod_ids.get(pod)
         tid = self._known_tier(pid, engine_hashes, tier)
         if pid is None or tid is None:

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from epp.kvindex.holdings import Holdings
-from epp.kvindex.packing import StoreTokens, pack_tokens
+from epp.kvindex.packing import StoreTokens, pack_tokens, unsigned, unsigned_parent
 
 FLUSH_TOKENS: Final = 1 << 16
 FLUSH_BLOCKS: Final = 4096
@@ -107,6 +107,9 @@ class IndexQueue:
             raise ValueError("store_run: the per-event counts do not add up to the hashes and tokens given")
         if hash_array is not None and (hash_array.dtype != np.uint64 or hash_array.shape != (len(hashes),)):
             raise ValueError("store_run: hash_array is not the hashes' uint64 array")
+        hashes = unsigned(hashes)
+        if any(p is not None and p < 0 for p in parents):
+            parents = [unsigned_parent(p) for p in parents]
         pid, tid = self._ids(pod, tier)
         if (
             len(parents) > 1

@@ -304,11 +304,16 @@ class KvEventSubscriber:
                 lambda: self._connected(pod, rank),
                 lambda: self._disconnected(pod, rank),
             )
+        except Exception:  # a bug must not leave the pod without a monitor (never reopened): start again
+            log.exception("kv events of %s: the connection monitor failed; opening the socket again", pod)
+            ended = None
         finally:
             monitor.close(linger=0)
         # libzmq will not reconnect; the pod is `publisher_unreachable` since the loss (`_disconnected`).
         delay = self._backoff.next((pod, rank))
-        if ended.handshaken:  # a message was refused: counted, logged
+        if ended is None:
+            pass  # (logged; a message lost meanwhile is a sequence gap on the new socket)
+        elif ended.handshaken:  # a message was refused: counted, logged
             self._drop(pod, "oversized", self.clock.now(), ended.describe(rank, delay))
         else:
             self._logs.warn(

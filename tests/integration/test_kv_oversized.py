@@ -274,3 +274,37 @@ def test_the_recreation_backoff_doubles_is_jittered_bounded_and_reset() -> None:
     b.next(key)
     b.forget(POD_A)
     assert b.next(key) <= 0.1
+
+
+async def test_a_failing_monitor_reopens_the_socket_and_the_stream_resumes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(A review: an exception in the connection monitor ended its task for good, leaving the pod with a
+    socket nobody would reopen.) A bug in the disconnect handling, once: logged, the socket opened again,
+    and the engine's next process is heard."""
+    port = free_port()
+    address = f"tcp://127.0.0.2:{port}"
+    async with rig(per_pod(port), (POD_A,)) as r:
+        async with KvEventPublisher(address) as a:
+            await joined(r, a, POD_A)
+            sock = r.sub._streams[(POD_A, 0)][0]
+            disconnected = r.sub._disconnected
+            failures: list[str] = []
+
+            def fails_once(pod: str, rank: int) -> None:
+                if not failures:
+                    failures.append(pod)
+                    raise RuntimeError("a bug")
+                disconnected(pod, rank)
+
+            monkeypatch.setattr(r.sub, "_disconnected", fails_once)
+            caplog.set_level(logging.ERROR, logger="epp.kv_events")
+        # the publisher went (its connection closed): the monitor's handler fails
+        await eventually(lambda: failures == [POD_A], "the handler failed")
+        await eventually(
+            lambda: (POD_A, 0) in r.sub._streams and r.sub._streams[(POD_A, 0)][0] is not sock,
+            "the pod's socket re-created",
+        )
+        assert any("the connection monitor failed" in rec.getMessage() for rec in caplog.records)
+        async with KvEventPublisher(address) as a2:  # the engine's next process
+            await applied(r, a2, POD_A, tokens(2, 5000), 500)

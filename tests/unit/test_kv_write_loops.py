@@ -194,3 +194,25 @@ def test_flat_tokens_are_the_pieces_as_int64_in_order(pieces: list[bytes | npt.N
     got = flat_tokens(pieces)
     assert got.dtype == np.int64
     assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("general", [False, True])
+def test_one_hash_in_its_signed_and_unsigned_forms_is_one_engine_block(general: bool) -> None:
+    """(A review found the fused path placed such a hash twice: the queue keyed it by the Python int.)"""
+    saved = store_loop.store_batch
+    if general:
+        store_loop.store_batch = _general_store()
+    try:
+        ix = BlockIndex(block_size=4, max_entries=1000)
+        root = root_key("m")
+        ix.store("a", [-1], None, [1, 2, 3, 4], 4, "gpu", root)
+        ix.store("a", [2**64 - 1], None, [1, 2, 3, 4], 4, "gpu", root)  # a second copy of the same block
+        ix.store("a", [-2], -1, [5, 6, 7, 8], 4, "gpu", root)  # a signed parent: the same block again
+        stats = ix.stats()
+        assert (stats.engine_blocks, stats.entries, stats.orphans) == (2, 2, 0)
+        ix.remove("a", [2**64 - 1], "gpu")  # one copy of two: the entry stays
+        ix.discard("a", [-1], "gpu")  # the last copy, named signed
+        ix.discard("a", [2**64 - 2], "gpu")
+        assert ix.stats().entries == 0 and ix.stats().engine_blocks == 0
+    finally:
+        store_loop.store_batch = saved
