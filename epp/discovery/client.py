@@ -1,9 +1,11 @@
 """The Kubernetes API as discovery uses it: kubeconfig or in-cluster credentials, and raw list and
 watch requests (kubernetes-asyncio builds, authenticates and sends them; the JSON is read here).
 
-Objects stay plain JSON mappings (no model classes). A list gives `(items, resourceVersion)`; a watch
-yields `(type, object)` per newline-delimited event. `410 Gone` (as the HTTP status or as an `ERROR`
-event carrying a `Status` of code 410) raises `Gone`; other statuses raise `ApiError`.
+`KubeApi.pods`, `pool` and `rewrites` name what is listed (a `Request`); `list_items` and
+`watch_events` send it. Objects stay plain JSON mappings (no model classes). A list gives `(items,
+resourceVersion)`; a watch yields `(type, object)` per newline-delimited event. `410 Gone` (as the
+HTTP status or as an `ERROR` event carrying a `Status` of code 410) raises `Gone`; other statuses
+raise `ApiError`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"})
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # one watch line; etcd's own limit is ~1.5 MiB per object
 
 Event = tuple[str, Mapping[str, Any]]
+Request = Callable[..., Awaitable[Any]]  # a kubernetes-asyncio list call (`list_items`, `watch_events`)
 
 
 class DiscoveryConfigError(ValueError):
@@ -88,58 +91,30 @@ class KubeApi:
     async def close(self) -> None:
         await self.client.close()
 
-    # -- pods ------------------------------------------------------------------------------
-    async def list_pods(self, label_selector: str) -> tuple[list[Any], str]:
-        return await self._list(
-            lambda **kw: self.core.list_namespaced_pod(self.namespace, label_selector=label_selector, **kw)
+    # -- what is listed and watched ------------------------------------------------------
+    def pods(self, label_selector: str) -> Request:
+        """The namespace's Pods `label_selector` matches."""
+        return lambda **kw: self.core.list_namespaced_pod(self.namespace, label_selector=label_selector, **kw)
+
+    def pool(self, name: str) -> Request:
+        """The namespace's InferencePool `name` (of the pool group), by field selector."""
+        return lambda **kw: self.custom.list_namespaced_custom_object(
+            self.pool_group,
+            self.pool_version,
+            self.namespace,
+            PLURAL,
+            field_selector=f"metadata.name={name}",
+            **kw,
         )
 
-    def watch_pods(self, label_selector: str, resource_version: str) -> AsyncGenerator[Event, None]:
-        return self._watch(
-            lambda **kw: self.core.list_namespaced_pod(self.namespace, label_selector=label_selector, **kw),
-            resource_version,
-        )
-
-    # -- the pool --------------------------------------------------------------------------
-    async def list_pool(self, name: str) -> tuple[list[Any], str]:
-        return await self._list(
-            lambda **kw: self.custom.list_namespaced_custom_object(
-                self.pool_group,
-                self.pool_version,
-                self.namespace,
-                PLURAL,
-                field_selector=f"metadata.name={name}",
-                **kw,
-            )
-        )
-
-    def watch_pool(self, name: str, resource_version: str) -> AsyncGenerator[Event, None]:
-        return self._watch(
-            lambda **kw: self.custom.list_namespaced_custom_object(
-                self.pool_group,
-                self.pool_version,
-                self.namespace,
-                PLURAL,
-                field_selector=f"metadata.name={name}",
-                **kw,
-            ),
-            resource_version,
-        )
-
-    # -- model rewrites --------------------------------------------------------------------
-    async def list_rewrites(self) -> tuple[list[Any], str]:
-        return await self._list(self._rewrites)
-
-    def watch_rewrites(self, resource_version: str) -> AsyncGenerator[Event, None]:
-        return self._watch(self._rewrites, resource_version)
-
-    def _rewrites(self, **kw: Any) -> Awaitable[Any]:
-        return self.custom.list_namespaced_custom_object(
+    def rewrites(self) -> Request:
+        """The namespace's InferenceModelRewrites (of the rewrite group)."""
+        return lambda **kw: self.custom.list_namespaced_custom_object(
             self.rewrite_group, REWRITE_VERSION, self.namespace, REWRITE_PLURAL, **kw
         )
 
     # -- raw requests ----------------------------------------------------------------------
-    async def _open(self, call: Callable[..., Awaitable[Any]], **kwargs: Any) -> aiohttp.ClientResponse:
+    async def _open(self, call: Request, **kwargs: Any) -> aiohttp.ClientResponse:
         resp = cast(aiohttp.ClientResponse, await call(_preload_content=False, **kwargs))
         if resp.status != 200:
             try:
@@ -149,7 +124,8 @@ class KubeApi:
             raise status_error(resp.status, body)
         return resp
 
-    async def _list(self, call: Callable[..., Awaitable[Any]]) -> tuple[list[Any], str]:
+    async def list_items(self, call: Request) -> tuple[list[Any], str]:
+        """`(items, resourceVersion)` of one list."""
         resp = await self._open(call, _request_timeout=self._list_timeout)
         try:
             data = json.loads(await resp.read())
@@ -164,9 +140,9 @@ class KubeApi:
             raise ApiError(0, "list response has no metadata.resourceVersion")
         return data["items"], rv
 
-    async def _watch(
-        self, call: Callable[..., Awaitable[Any]], resource_version: str
-    ) -> AsyncGenerator[Event, None]:
+    async def watch_events(self, call: Request, resource_version: str) -> AsyncGenerator[Event, None]:
+        """`(type, object)` per event of one watch from `resource_version`, with bookmarks, until the
+        server ends it."""
         resp = await self._open(
             call,
             watch=True,

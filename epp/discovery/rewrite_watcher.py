@@ -1,10 +1,11 @@
 """Watching `InferenceModelRewrite` objects (the asyncio edge): list and watch them in the pool's
 namespace and hand the rule table (`epp.discovery.rewrites`) to `on_change` whenever it changes.
 
-One task, informer-style like the pool watcher (`epp.discovery.watcher`): list
-`inferencemodelrewrites` of `settings.rewrite_group` (`v1alpha2`) in the namespace, then watch from the
-list's `resourceVersion` with bookmarks, resuming from the last version seen when the server ends a
-watch. `410 Gone` lists again at once (the list replaces what was known). An object marked for deletion
+One task, informer-style like the pool watcher (`epp.discovery.watcher`), on the same loop
+(`epp.discovery.watch_loop`: backoff, counts, failure logs): list `inferencemodelrewrites` of
+`settings.rewrite_group` (`v1alpha2`) in the namespace, then watch from the list's `resourceVersion`
+with bookmarks, resuming from the last version seen when the server ends a watch. `410 Gone` lists
+again at once (the list replaces what was known). An object marked for deletion
 (`metadata.deletionTimestamp`) counts as deleted, as the reference's reconciler has it. Objects naming
 another pool are ignored; an object that cannot be used is skipped with an error naming it and the
 field, and the table is built from the others.
@@ -18,18 +19,17 @@ never change readiness.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from epp.discovery.client import ApiError, Gone, KubeApi, connect, resource_version
+from epp.discovery.client import resource_version
 from epp.discovery.pool import being_deleted, object_name
 from epp.discovery.rewrites import EMPTY, KIND, ModelRewrite, RewriteError, RewriteTable, parse_rewrite
 from epp.discovery.settings import REWRITE_PLURAL, REWRITE_VERSION, DiscoverySettings
-from epp.discovery.watcher import DiscoveryObserver, _Backoff, error_kind
+from epp.discovery.watch_loop import DiscoveryObserver, ListWatcher
 
 log = logging.getLogger("epp.discovery.rewrites")
 
@@ -42,7 +42,9 @@ class _Known:
     rewrite: ModelRewrite | None  # None: another pool's, being deleted, or invalid
 
 
-class ModelRewriteWatcher:
+class ModelRewriteWatcher(ListWatcher):
+    logger = log
+
     def __init__(
         self,
         settings: DiscoverySettings,
@@ -50,71 +52,50 @@ class ModelRewriteWatcher:
         *,
         observer: DiscoveryObserver | None = None,
     ) -> None:
-        problem = settings.check()
-        if problem is not None:
-            raise ValueError(f"discovery: {problem}")
-        self.settings = settings
+        super().__init__(settings, observer)
         self.on_change = on_change
-        self.observer = observer
         self.resource = f"{REWRITE_PLURAL}.{settings.rewrite_group}/{REWRITE_VERSION}"
+        group = settings.rewrite_group
+        self.rbac = f"{REWRITE_PLURAL}.{group} for model rewrites (the last known ones stay in force)"
         self.table: RewriteTable = EMPTY
         self.known: dict[str, _Known] = {}
         self.rv: str | None = None
         self.listed = False  # listed at least once
-        self.lists = 0
-        self.events: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
         self._listed_event = asyncio.Event()
         self._last_error: str | None = None  # the kind logged last; the same kind again is logged quietly
-        self._api: KubeApi | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def lists(self) -> int:
+        """Lists done."""
+        return self._lists[REWRITE]
+
+    @property
+    def events(self) -> Counter[str]:
+        """Watch events by lowercase type (a snapshot)."""
+        return Counter({kind: n for (_, kind), n in self._events.items()})
+
+    @property
+    def errors(self) -> Counter[str]:
+        """Failures and invalid objects by kind (a snapshot)."""
+        return Counter({kind: n for (_, kind), n in self._errors.items()})
+
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Load the credentials (DiscoveryConfigError if unusable) and start watching."""
-        if self._api is not None:
-            raise RuntimeError("ModelRewriteWatcher already started")
-        self._api = KubeApi(await connect(self.settings), self.settings)
+    def _begin(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="discovery-model-rewrites")
 
-    async def stop(self) -> None:
+    def _take_tasks(self) -> list[asyncio.Task[None]]:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        api, self._api = self._api, None
-        if api is not None:
-            await api.close()
+        return [] if task is None else [task]
 
     async def wait_listed(self) -> None:
         await self._listed_event.wait()
 
     # -- the loop --------------------------------------------------------------------------
     async def _loop(self) -> None:
-        assert self._api is not None
-        api = self._api
-        backoff = _Backoff(self.settings.backoff_initial, self.settings.backoff_max)
-        gone_streak = 0
-        while True:
-            try:
-                items, rv = await api.list_rewrites()
-                self._on_list(items, rv, backoff)
-                while True:  # each watch ends at the server's timeout; resume from the last version
-                    async with contextlib.aclosing(api.watch_rewrites(self.rv or rv)) as stream:
-                        async for kind, obj in stream:
-                            gone_streak = 0
-                            self._on_event(kind, obj)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                gone_streak = gone_streak + 1 if isinstance(err, Gone) else 0
-                await self._failed(err, backoff, gone_streak)
+        await self._list_and_watch(REWRITE, lambda api: api.rewrites(), self._on_list, self._on_event)
 
-    def _on_list(self, items: list[Any], rv: str, backoff: _Backoff) -> None:
-        backoff.reset()
-        self.lists += 1
-        if self.observer is not None:
-            self.observer.on_discovery_list(REWRITE)
+    def _on_list(self, items: list[Any], rv: str) -> None:
         if self._last_error in ("not_found", "forbidden"):
             log.info("%s: served and readable again", self.resource)
         self._last_error = None
@@ -123,7 +104,7 @@ class ModelRewriteWatcher:
         for obj in items:
             name = object_name(obj)
             if name is None:
-                self._count_error("invalid_object")
+                self._count_error(REWRITE, "invalid_object")
                 log.error("%s list: an item without metadata.name, skipped", self.resource)
                 continue
             old = self.known.get(name)
@@ -139,15 +120,12 @@ class ModelRewriteWatcher:
         self._publish()
 
     def _on_event(self, kind: str, obj: Mapping[str, Any]) -> None:
-        self.events[kind.lower()] += 1
-        if self.observer is not None:
-            self.observer.on_discovery_event(REWRITE, kind.lower())
         self.rv = resource_version(obj) or self.rv
         if kind == "BOOKMARK":
             return
         name = object_name(obj)
         if name is None:
-            self._count_error("invalid_object")
+            self._count_error(REWRITE, "invalid_object")
             log.error("%s watch: a %s event without metadata.name, skipped", self.resource, kind)
             return
         if kind == "DELETED":
@@ -163,7 +141,7 @@ class ModelRewriteWatcher:
         try:
             rewrite = parse_rewrite(obj, self.settings.pool_name, self.settings.pool_group)
         except RewriteError as err:
-            self._count_error("invalid_object")
+            self._count_error(REWRITE, "invalid_object")
             log.error("%s; skipped (the other %ss stay in force)", err, KIND)
             return _Known(rv, None)
         if rewrite is None:
@@ -193,49 +171,26 @@ class ModelRewriteWatcher:
             log.exception("model rewrites: the listener failed")
 
     # -- errors ----------------------------------------------------------------------------
-    def _count_error(self, kind: str, *, observed: bool = True) -> None:
-        self.errors[kind] += 1
-        if observed and self.observer is not None:
-            self.observer.on_discovery_error(REWRITE, kind)
+    def _what(self, resource: str) -> str:
+        return f"{self.resource} in namespace {self.settings.namespace}"
 
-    async def _failed(self, err: Exception, backoff: _Backoff, gone_streak: int) -> None:
-        kind = error_kind(err)
-        if isinstance(err, ApiError) and err.from_event:
-            self.events["error"] += 1
-            if self.observer is not None:
-                self.observer.on_discovery_event(REWRITE, "error")
-        repeated = kind == self._last_error
+    def _repeats(self, kind: str) -> bool:
         # A missing CRD (most clusters) or a Role without the rule is retried every backoff_max seconds for
         # as long as it lasts: the metric counts each such streak once, not every retry.
-        self._count_error(kind, observed=not (repeated and kind in ("not_found", "forbidden")))
-        self._last_error = kind
-        where = f"{self.resource} in namespace {self.settings.namespace}"
-        if kind == "gone":
-            log.info("%s: watch expired (%s); listing again", where, err)
-            if gone_streak <= 1:
-                return  # list again at once; twice in a row without an event backs off
-        elif kind == "not_found":
-            self.known.clear()  # the resource is not served: no objects, no rewrites
-            self._publish()
-            (log.debug if repeated else log.warning)(
-                "%s is not served (is the %s CRD installed?): no model rewrites; checking again "
-                "every %.0fs at most (%s)",
-                where,
-                KIND,
-                self.settings.backoff_max,
-                err,
-            )
-        elif kind == "forbidden":
-            (log.debug if repeated else log.error)(
-                "%s: %s; the EPP's service account needs get/list/watch on %s.%s for model rewrites "
-                "(the last known ones stay in force)",
-                where,
-                err,
-                REWRITE_PLURAL,
-                self.settings.rewrite_group,
-            )
-        elif kind == "internal":
-            log.exception("%s: unexpected error", where)
-        else:
-            log.warning("%s: %s (%s); retrying in %.2fs", where, err, kind, backoff.delay)
-        await backoff.sleep()
+        repeated, self._last_error = kind == self._last_error, kind
+        return repeated
+
+    def _handled(self, resource: str, kind: str, err: Exception, repeated: bool) -> bool:
+        if kind != "not_found":
+            return False
+        self.known.clear()  # the resource is not served: no objects, no rewrites
+        self._publish()
+        (log.debug if repeated else log.warning)(
+            "%s is not served (is the %s CRD installed?): no model rewrites; checking again "
+            "every %.0fs at most (%s)",
+            self._what(resource),
+            KIND,
+            self.settings.backoff_max,
+            err,
+        )
+        return True

@@ -22,17 +22,14 @@ from epp.discovery.watcher import PoolWatcher
 
 
 class SelectorWatcher(PodTracker):
-    def __init__(
-        self,
-        datastore: Datastore,
-        settings: DiscoverySettings,
-        *,
-        observer: DiscoveryObserver | None = None,
-        on_change: Callable[[], None] | None = None,
-    ) -> None:
+    def _settings_problem(self, settings: DiscoverySettings) -> str | None:
         if settings.endpoint_selector is None:
-            raise ValueError("discovery: SelectorWatcher needs --endpoint-selector settings")
-        super().__init__(datastore, settings, observer=observer, on_change=on_change)
+            return "SelectorWatcher needs --endpoint-selector settings"
+        return super()._settings_problem(settings)
+
+    def _setup(self) -> None:
+        settings = self.settings
+        assert settings.endpoint_selector is not None  # `_settings_problem`
         selector = str(settings.endpoint_selector)
         self.spec = PoolSpec(selector, settings.endpoint_selector, settings.target_ports)
         self.subject = f"pods of {settings.namespace} matching --endpoint-selector {selector!r}"

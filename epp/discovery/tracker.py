@@ -6,7 +6,9 @@ list's `resourceVersion`, informer-style: every watch asks for bookmarks and kee
 `resourceVersion` (bookmarks included), so a watch that the server ends is resumed where it stopped
 without a list. `410 Gone` (HTTP status or `ERROR` event) lists again at once; a list replaces the
 known pods, so nothing is lost or duplicated. Other errors retry with exponential backoff (bounded),
-keeping the last known endpoint set meanwhile.
+keeping the last known endpoint set meanwhile. The loop itself, its backoff, counts and failure logs
+are `ListWatcher`'s (`watch_loop.py`, shared with the rewrite watcher); the pods' list and events are
+handled here.
 
 Who decides the spec is the subclass: `PoolWatcher` (`watcher.py`) reads it from an InferencePool
 and calls `_track` / `_untrack` as the pool changes or goes; `SelectorWatcher`
@@ -21,72 +23,29 @@ server's health service follow it. API-server outages do not change it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Protocol
-
-import aiohttp
+from typing import Any
 
 from epp.datastore import Datastore
-from epp.discovery.client import ApiError, Gone, KubeApi, connect, resource_version
+from epp.discovery.client import resource_version
 from epp.discovery.pool import PoolSpec, object_name, pool_endpoints
 from epp.discovery.selector import LabelSelector
 from epp.discovery.settings import DiscoverySettings
+from epp.discovery.watch_loop import DiscoveryObserver, ListWatcher, error_kind
 
 log = logging.getLogger("epp.discovery")
 
 POOL, POD = "pool", "pod"
 
-
-class DiscoveryObserver(Protocol):
-    """Told about lists, watch events, errors and the endpoint set (e.g. to export metrics)."""
-
-    def on_discovery_list(self, resource: str) -> None: ...
-
-    def on_discovery_event(self, resource: str, kind: str) -> None: ...
-
-    def on_discovery_error(self, resource: str, kind: str) -> None: ...
-
-    def on_discovery_endpoints(self, count: int, synced: bool) -> None: ...
+__all__ = ["POD", "POOL", "DiscoveryObserver", "PodTracker", "error_kind", "log"]
 
 
-class _Backoff:
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self.delay = initial
-
-    def reset(self) -> None:
-        self.delay = self.initial
-
-    async def sleep(self) -> None:
-        delay, self.delay = self.delay, min(self.delay * 2, self.maximum)
-        await asyncio.sleep(delay)
-
-
-def error_kind(err: BaseException) -> str:
-    """The `kind` label of a failed list or watch."""
-    if isinstance(err, Gone):
-        return "gone"
-    if isinstance(err, ApiError):
-        if err.status == 0:
-            return "bad_response"
-        if err.status == 404:
-            return "not_found"
-        if err.status in (401, 403):
-            return "forbidden"
-        return "api_error"
-    if isinstance(err, (aiohttp.ClientError, OSError, asyncio.TimeoutError)):
-        return "unreachable"
-    return "internal"
-
-
-class PodTracker:
+class PodTracker(ListWatcher):
     subject = "discovery"  # who the endpoints come from, in logs (set by the subclass)
     pods_subject = "pods"  # the same for the pods' list and watch
-    rbac = "pods"  # what the service account must be allowed to get/list/watch
+    logger = log
 
     def __init__(
         self,
@@ -96,12 +55,8 @@ class PodTracker:
         observer: DiscoveryObserver | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
-        problem = settings.check()
-        if problem is not None:
-            raise ValueError(f"discovery: {problem}")
+        super().__init__(settings, observer)
         self.datastore = datastore
-        self.settings = settings
-        self.observer = observer
         self.on_change = on_change
         self.pool: PoolSpec | None = None  # the spec the pods are selected by; None: none (yet)
         self.pods: dict[str, Mapping[str, Any]] = {}
@@ -112,25 +67,33 @@ class PodTracker:
         self._was_ready = False
         self.readiness_lost = 0  # how often `ready` went false after having been true
         self._ready_changed = asyncio.Event()
-        self.lists: Counter[str] = Counter()
-        self.events: Counter[tuple[str, str]] = Counter()
-        self.errors: Counter[tuple[str, str]] = Counter()
         self._synced = asyncio.Event()
         self._published = False
-        self._api: KubeApi | None = None
         self._tasks: list[asyncio.Task[None]] = []  # the subclass's own loops
         self._pod_task: asyncio.Task[None] | None = None
         self._pod_selector: LabelSelector | None = None
         self._retired: set[asyncio.Task[None]] = set()
+        self._setup()
+
+    def _setup(self) -> None:
+        """The subclass's own state, once the settings are checked."""
+
+    @property
+    def lists(self) -> Counter[str]:
+        """Lists done, by resource (`pool`, `pod`)."""
+        return self._lists
+
+    @property
+    def events(self) -> Counter[tuple[str, str]]:
+        """Watch events, by resource and lowercase type."""
+        return self._events
+
+    @property
+    def errors(self) -> Counter[tuple[str, str]]:
+        """Failures and invalid objects, by resource and kind."""
+        return self._errors
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Load the credentials (DiscoveryConfigError if unusable) and start watching."""
-        if self._api is not None:
-            raise RuntimeError(f"{type(self).__name__} already started")
-        self._api = KubeApi(await connect(self.settings), self.settings)
-        self._begin()
-
     def _begin(self) -> None:
         """Start what decides the spec (called once the API client exists)."""
         raise NotImplementedError
@@ -138,17 +101,12 @@ class PodTracker:
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))
 
-    async def stop(self) -> None:
+    def _take_tasks(self) -> list[asyncio.Task[None]]:
         tasks = [t for t in (*self._tasks, self._pod_task, *self._retired) if t is not None]
         self._tasks = []
         self._pod_task = None
         self._retired.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        api, self._api = self._api, None
-        if api is not None:
-            await api.close()
+        return tasks
 
     async def wait_synced(self) -> None:
         await self._synced.wait()
@@ -196,42 +154,26 @@ class PodTracker:
 
     # -- the pods ---------------------------------------------------------------------------
     async def _pod_loop(self, selector: str) -> None:
-        assert self._api is not None
-        api = self._api
-        backoff = _Backoff(self.settings.backoff_initial, self.settings.backoff_max)
-        gone_streak = 0
-        while True:
-            try:
-                items, rv = await api.list_pods(selector)
-                self._listed(POD, backoff)
-                pods: dict[str, Mapping[str, Any]] = {}
-                for obj in items:
-                    name = object_name(obj)
-                    if name is None:
-                        self._count_error(POD, "invalid_object")
-                        log.warning("pod list of %s: an item without metadata.name, ignored", self.subject)
-                    else:
-                        pods[name] = obj
-                self.pods, self.pods_rv = pods, rv
-                self._pods_listed = self.pool is not None
-                if not self.synced and self.pool is not None:
-                    self.synced = True
-                    self._synced.set()
-                    log.info("%s synced: %d pods listed", self.subject, len(pods))
-                self._publish(force_report=True)
-                while True:
-                    async with contextlib.aclosing(api.watch_pods(selector, self.pods_rv)) as stream:
-                        async for kind, obj in stream:
-                            gone_streak = 0
-                            self._on_pod_event(kind, obj)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                gone_streak = gone_streak + 1 if isinstance(err, Gone) else 0
-                await self._failed(POD, err, backoff, gone_streak)
+        await self._list_and_watch(POD, lambda api: api.pods(selector), self._on_pod_list, self._on_pod_event)
+
+    def _on_pod_list(self, items: list[Any], rv: str) -> None:
+        pods: dict[str, Mapping[str, Any]] = {}
+        for obj in items:
+            name = object_name(obj)
+            if name is None:
+                self._count_error(POD, "invalid_object")
+                log.warning("pod list of %s: an item without metadata.name, ignored", self.subject)
+            else:
+                pods[name] = obj
+        self.pods, self.pods_rv = pods, rv
+        self._pods_listed = self.pool is not None
+        if not self.synced and self.pool is not None:
+            self.synced = True
+            self._synced.set()
+            log.info("%s synced: %d pods listed", self.subject, len(pods))
+        self._publish(force_report=True)
 
     def _on_pod_event(self, kind: str, obj: Mapping[str, Any]) -> None:
-        self._count_event(POD, kind)
         self.pods_rv = resource_version(obj) or self.pods_rv
         if kind == "BOOKMARK":
             return
@@ -286,42 +228,5 @@ class PodTracker:
             log.info("%s exists again and its pods are listed: ready", self.subject)
         self.readiness_lost += not ready
 
-    def _listed(self, resource: str, backoff: _Backoff) -> None:
-        backoff.reset()
-        self.lists[resource] += 1
-        if self.observer is not None:
-            self.observer.on_discovery_list(resource)
-
-    def _count_event(self, resource: str, kind: str) -> None:
-        self.events[(resource, kind.lower())] += 1
-        if self.observer is not None:
-            self.observer.on_discovery_event(resource, kind.lower())
-
-    def _count_error(self, resource: str, kind: str) -> None:
-        self.errors[(resource, kind)] += 1
-        if self.observer is not None:
-            self.observer.on_discovery_error(resource, kind)
-
-    def _handled(self, resource: str, kind: str, err: Exception) -> bool:
-        """A subclass's own handling of a failure (logged and acted on: True), before the generic one."""
-        return False
-
-    async def _failed(self, resource: str, err: Exception, backoff: _Backoff, gone_streak: int) -> None:
-        kind = error_kind(err)
-        if isinstance(err, ApiError) and err.from_event:
-            self._count_event(resource, "ERROR")
-        self._count_error(resource, kind)
-        what = self.subject if resource == POOL else self.pods_subject
-        if kind == "gone":
-            log.info("%s: watch expired (%s); listing again", what, err)
-            if gone_streak <= 1:
-                return  # list again at once; twice in a row without an event backs off
-        elif self._handled(resource, kind, err):
-            pass
-        elif kind == "forbidden":
-            log.error("%s: %s; the EPP's service account needs get/list/watch on %s", what, err, self.rbac)
-        elif kind == "internal":
-            log.exception("%s: unexpected error", what)
-        else:
-            log.warning("%s: %s (%s); retrying in %.2fs", what, err, kind, backoff.delay)
-        await backoff.sleep()
+    def _what(self, resource: str) -> str:
+        return self.subject if resource == POOL else self.pods_subject

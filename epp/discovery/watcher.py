@@ -18,13 +18,10 @@ force).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from epp.datastore import Datastore
-from epp.discovery.client import Gone, resource_version
+from epp.discovery.client import resource_version
 from epp.discovery.pool import PoolError, being_deleted, object_name, parse_pool
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.tracker import (
@@ -32,28 +29,23 @@ from epp.discovery.tracker import (
     POOL,
     DiscoveryObserver,
     PodTracker,
-    _Backoff,
     error_kind,
     log,
 )
 
-__all__ = ["POD", "POOL", "DiscoveryObserver", "PoolWatcher", "_Backoff", "error_kind"]
+__all__ = ["POD", "POOL", "DiscoveryObserver", "PoolWatcher", "error_kind"]
 
 
 class PoolWatcher(PodTracker):
     rbac = "pods and inferencepools"
 
-    def __init__(
-        self,
-        datastore: Datastore,
-        settings: DiscoverySettings,
-        *,
-        observer: DiscoveryObserver | None = None,
-        on_change: Callable[[], None] | None = None,
-    ) -> None:
+    def _settings_problem(self, settings: DiscoverySettings) -> str | None:
         if settings.selector_mode:
-            raise ValueError("discovery: --endpoint-selector settings read no pool (SelectorWatcher)")
-        super().__init__(datastore, settings, observer=observer, on_change=on_change)
+            return "--endpoint-selector settings read no pool (SelectorWatcher)"
+        return super()._settings_problem(settings)
+
+    def _setup(self) -> None:
+        settings = self.settings
         self.where = f"{settings.namespace}/{settings.pool_name}"
         self.subject = f"InferencePool {self.where}"
         self.pods_subject = f"pods of InferencePool {self.where}"
@@ -65,33 +57,18 @@ class PoolWatcher(PodTracker):
 
     # -- the pool ---------------------------------------------------------------------------
     async def _pool_loop(self) -> None:
-        assert self._api is not None
-        api, name = self._api, self.settings.pool_name
-        backoff = _Backoff(self.settings.backoff_initial, self.settings.backoff_max)
-        gone_streak = 0
-        while True:
-            try:
-                items, rv = await api.list_pool(name)
-                self._listed(POOL, backoff)
-                self.pool_rv = rv
-                found = [o for o in items if object_name(o) == name]
-                if found:
-                    self._apply_pool(found[0])
-                else:
-                    self._pool_missing("not found")
-                while True:  # each watch ends at the server's timeout; resume from the last version
-                    async with contextlib.aclosing(api.watch_pool(name, self.pool_rv)) as stream:
-                        async for kind, obj in stream:
-                            gone_streak = 0
-                            self._on_pool_event(kind, obj)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                gone_streak = gone_streak + 1 if isinstance(err, Gone) else 0
-                await self._failed(POOL, err, backoff, gone_streak)
+        name = self.settings.pool_name
+        await self._list_and_watch(POOL, lambda api: api.pool(name), self._on_pool_list, self._on_pool_event)
+
+    def _on_pool_list(self, items: list[Any], rv: str) -> None:
+        self.pool_rv = rv
+        found = [o for o in items if object_name(o) == self.settings.pool_name]
+        if found:
+            self._apply_pool(found[0])
+        else:
+            self._pool_missing("not found")
 
     def _on_pool_event(self, kind: str, obj: Mapping[str, Any]) -> None:
-        self._count_event(POOL, kind)
         self.pool_rv = resource_version(obj) or self.pool_rv
         if kind == "BOOKMARK" or object_name(obj) != self.settings.pool_name:
             return
@@ -133,7 +110,7 @@ class PoolWatcher(PodTracker):
         self._missing_logged = True
         self._untrack()
 
-    def _handled(self, resource: str, kind: str, err: Exception) -> bool:
+    def _handled(self, resource: str, kind: str, err: Exception, repeated: bool) -> bool:
         if resource != POOL or kind != "not_found":
             return False
         log.error(
