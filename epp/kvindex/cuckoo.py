@@ -177,36 +177,49 @@ def upsert_run(  # pragma: no cover - compiled
     return n, DONE, nstuck
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def bucket_moves(  # pragma: no cover - compiled
+    ttags: Any, count: Any, empty_tag: Any, b: Any, src: Any, dest: Any, moves: Any
+) -> tuple[Any, Any, Any]:
+    """The moves that close up bucket b once some of its items are deleted (their tags `empty_tag`), its
+    other items kept in order in its first slots: src[moves:] to dest[moves:], which change nothing yet
+    (no move reads a slot an earlier one writes). Returns (moves now, items kept, items before)."""
+    base = b * BUCKET
+    c = np.int64(count[b])
+    k = 0
+    for j in range(c):
+        if ttags[base + j] != empty_tag:
+            if j != k:
+                src[moves] = base + j
+                dest[moves] = base + k
+                moves += 1
+            k += 1
+    return moves, k, c
+
+
 @numba.njit(cache=True, nogil=True)
 def delete_run(  # pragma: no cover - compiled
     tkeys: Any, ttags: Any, count: Any, empty_tag: int, slots: Any, src: Any, dest: Any, tail: Any
 ) -> tuple[int, int]:
     """Delete the items at `slots` (occupied; repeats allowed): each bucket they were in keeps its other
-    items in order in its first slots. Moves keys and tags; the caller moves the columns the same way,
-    src[:moves] to dest[:moves] (as one gather: no move reads a slot an earlier one wrote), and empties
-    them at tail[:freed]. Returns (moves, freed)."""
+    items in order in its first slots (`bucket_moves`). Moves keys and tags; the caller moves the columns
+    the same way, src[:moves] to dest[:moves] (as one gather: no move reads a slot an earlier one wrote),
+    and empties them at tail[:freed]. Returns (moves, freed)."""
     for i in range(slots.shape[0]):
         ttags[slots[i]] = empty_tag
     moves = 0
     freed = 0
     for i in range(slots.shape[0]):
         b = slots[i] // BUCKET
-        base = b * BUCKET
-        c = np.int64(count[b])
-        k = 0
-        for j in range(c):
-            if ttags[base + j] != empty_tag:
-                if j != k:
-                    tkeys[base + k] = tkeys[base + j]
-                    ttags[base + k] = ttags[base + j]
-                    src[moves] = base + j
-                    dest[moves] = base + k
-                    moves += 1
-                k += 1
-        for j in range(k, c):
-            tkeys[base + j] = 0  # no stale copies of moved keys: lookups of them stay on the fast path
-            ttags[base + j] = empty_tag
-            tail[freed] = base + j
+        first = moves
+        moves, k, c = bucket_moves(ttags, count, empty_tag, b, src, dest, moves)
+        for m in range(first, moves):
+            tkeys[dest[m]] = tkeys[src[m]]
+            ttags[dest[m]] = ttags[src[m]]
+        for s in range(b * BUCKET + k, b * BUCKET + c):
+            tkeys[s] = 0  # no stale copies of moved keys: lookups of them stay on the fast path
+            ttags[s] = empty_tag
+            tail[freed] = s
             freed += 1
         count[b] = k
     return moves, freed

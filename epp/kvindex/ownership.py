@@ -92,12 +92,17 @@ def drop_owners(  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def has_extra_rows(v: Any) -> bool:  # pragma: no cover - compiled
+    """Whether a record of `info` v owns keys besides its implicit one (rows in `extra`)."""
+    nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
+    return bool(nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _with_extra_rows(info: Any, slots: Any) -> bool:  # pragma: no cover - compiled
     """Whether a record at `slots` owns keys besides its implicit one (rows in `extra`)."""
-    for i in range(slots.shape[0]):
-        v = info[slots[i]]
-        nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
-        if nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0):
+    for i in range(slots.shape[0]):  # noqa: SIM110 (numba compiles no generator inside any())
+        if has_extra_rows(info[slots[i]]):
             return True
     return False
 
@@ -123,9 +128,10 @@ def remove_units(  # pragma: no cover - compiled
     """`Holdings.remove_units` for units whose records own only their implicit key (no `extra` rows),
     while no entry has extra owners and no unit extra copies (the caller checks the tables): per unit,
     its accounting, its key's bit on its tier, its stamp and tier bit; a record left on no tier goes to
-    `gone`, a block row left with no bit to `emptied` (the caller deletes both). Returns (entries
-    removed, `used` released, records gone, rows emptied), or (-1, 0, 0, 0), changing nothing, when a
-    record has `extra` rows."""
+    `gone`, a block row left with no bit to `emptied` (the caller deletes both). A unit named again is
+    removed once (`Holdings.remove_units` names each once; `removal_loop.remove_held` may not). Returns
+    (entries removed, `used` released, records gone, rows emptied), or (-1, 0, 0, 0), changing nothing,
+    when a record has `extra` rows."""
     if _with_extra_rows(info, slots):
         return -1, 0, 0, 0
     removed = 0
@@ -135,8 +141,11 @@ def remove_units(  # pragma: no cover - compiled
     for i in range(slots.shape[0]):
         s = slots[i]
         t = tiers[i]
-        pod = np.int64(rtags[s])
         v = info[s]
+        tbit = numba.uint32(1) << numba.uint32(t + 20)
+        if not v & tbit:
+            continue  # a unit named again (`removal_loop.remove_held`'s batches): removed already
+        pod = np.int64(rtags[s])
         nk = np.int64((v >> numba.uint32(8)) & numba.uint32(0xFFF))
         units[pod] -= 1
         used += nk if nk > 1 else 1
@@ -149,7 +158,7 @@ def remove_units(  # pragma: no cover - compiled
                     emptied[nempty] = r
                     nempty += 1
         stamps[t][s] = numba.uint32(0xFFFFFFFF)
-        v &= ~(numba.uint32(1) << numba.uint32(t + 20))
+        v &= ~tbit
         info[s] = v
         if (v >> numba.uint32(20)) == 0:
             gone[ngone] = s

@@ -4,12 +4,12 @@
 what `records.find`, the held filter, `Holdings.remove_copies` and `Holdings._remove_simple` (with its two
 `HashTable.delete`s) do as ~40 numpy calls: it finds each item's record, skips an item whose unit is not
 held (a discard of a block the pod does not hold there, or a unit named twice: its first removal took
-it), removes each unit as `ownership.remove_units` does, and deletes the emptied `blocks` rows and the
-records left on no tier, their columns moving with them as `HashTable.delete` moves them. The caller
-takes it only while no unit has extra copies and no entry extra owners (the `copies` and `multi` tables
-are empty), as `Holdings.remove_units` takes `ownership.remove_units`; when a held record owns keys
-besides its implicit one (rows in `extra`) it changes nothing and leaves the items' slots for the
-general path.
+it), removes the held units by `ownership.remove_units`, and deletes the emptied `blocks` rows and the
+records left on no tier, their columns moving with them as `HashTable.delete` moves them (its buckets
+closed up by `cuckoo.bucket_moves`, as there). The caller takes it only while no unit has extra copies
+and no entry extra owners (the `copies` and `multi` tables are empty), as `Holdings.remove_units` takes
+`ownership.remove_units`; when a held record owns keys besides its implicit one (rows in `extra`) it
+changes nothing and leaves the items' slots for the general path.
 
 Compiled with numba (`docs/architecture.md`, "Compiled loops").
 """
@@ -21,9 +21,8 @@ from typing import Any, Final
 import numba
 import numpy as np
 
-from epp.kvindex.cuckoo import BUCKET, find_one
-from epp.kvindex.ownership import _clear, _with_extra_rows
-from epp.kvindex.rolling import fmix
+from epp.kvindex.cuckoo import BUCKET, bucket_moves, find_one
+from epp.kvindex.ownership import remove_units
 
 EXTRA_ROWS: Final = -1
 """`remove_held`'s first result when a held record has `extra` rows: nothing changed."""
@@ -38,24 +37,19 @@ def _compact(  # pragma: no cover - compiled
     tuple `cols` (cols[j] emptied to empties[j]). Returns the slots freed."""
     for i in range(n):
         ttags[slots[i]] = empty_tag
+    plan = np.empty((2, BUCKET), dtype=np.intp)  # a bucket's moves: sources, destinations
     freed: Any = 0
     for i in range(n):
         b = slots[i] // BUCKET
-        base = b * BUCKET
-        c = np.int64(count[b])
-        k = 0
-        for j in range(c):
-            if ttags[base + j] != empty_tag:
-                if j != k:
-                    src, dst = base + j, base + k
-                    tkeys[dst] = tkeys[src]
-                    ttags[dst] = ttags[src]
-                    c64[dst] = c64[src]
-                    for col in cols:
-                        col[dst] = col[src]
-                k += 1
-        for j in range(k, c):
-            s = base + j
+        moves, k, c = bucket_moves(ttags, count, empty_tag, b, plan[0], plan[1], 0)
+        for m in range(moves):
+            src, dst = plan[0, m], plan[1, m]
+            tkeys[dst] = tkeys[src]
+            ttags[dst] = ttags[src]
+            c64[dst] = c64[src]
+            for col in cols:
+                col[dst] = col[src]
+        for s in range(b * BUCKET + k, b * BUCKET + c):
             tkeys[s] = 0
             ttags[s] = empty_tag
             c64[s] = 0
@@ -91,52 +85,31 @@ def remove_held(  # pragma: no cover - compiled
 ) -> tuple[int, int, int, int]:
     """Items (hashes[i], pods[i], tiers[i]): slots[i] = the record's slot when the unit is held, else -1.
     Then, unless a held record has `extra` rows (returns (EXTRA_ROWS, 0, 0, 0), nothing changed), each held
-    unit is removed once (`ownership.remove_units`) and the emptied `blocks` rows and the records on no
+    unit is removed once (by `ownership.remove_units`) and the emptied `blocks` rows and the records on no
     tier are deleted (the records' columns `state`, `info` and the stamps emptied to 0, 0 and
     0xFFFFFFFF, the rows' masks to 0). Returns (entries removed, `used` released, records freed, rows
     freed)."""
     n = hashes.shape[0]
+    held = np.empty(n, dtype=np.intp)  # the held items' slots and tiers
+    htiers = np.empty(n, dtype=np.intp)
+    nheld = 0
     for i in range(n):
         s = find_one(rkeys, rtags, rcount, rnb, hashes[i], pods[i])[0]
         if s >= 0 and (info[s] >> numba.uint32(tiers[i] + 20)) & numba.uint32(1) == 0:
             s = -1
         slots[i] = s
-    held = slots[slots >= 0]
-    if _with_extra_rows(info, held):
+        if s >= 0:
+            held[nheld] = s
+            htiers[nheld] = tiers[i]
+            nheld += 1
+    gone = np.empty(nheld, dtype=np.intp)
+    emptied = np.empty(nheld, dtype=np.intp)
+    removed, used, ngone, nempty = remove_units(
+        state, info, rtags, stamps, masks, bkeys, btags, bcount, bnb, counts, units, held[:nheld],
+        htiers[:nheld], gone, emptied,
+    )  # fmt: skip
+    if removed < 0:  # a held record has `extra` rows: nothing changed
         return EXTRA_ROWS, 0, 0, 0
-    gone = np.empty(held.shape[0], dtype=np.intp)
-    emptied = np.empty(held.shape[0], dtype=np.intp)
-    removed = 0
-    used: Any = 0
-    ngone = 0
-    nempty = 0
-    for i in range(n):
-        s = slots[i]
-        if s < 0:
-            continue
-        t = tiers[i]
-        v = info[s]
-        tbit = numba.uint32(1) << numba.uint32(t + 20)
-        if not v & tbit:
-            continue  # a unit named again: removed already
-        pod = np.int64(rtags[s])
-        nk = np.int64((v >> numba.uint32(8)) & numba.uint32(0xFFF))
-        units[pod] -= 1
-        used += nk if nk > 1 else 1
-        if nk > 0 and (v & numba.uint32(0xFF)) == 0:  # the record's key, implied by its state
-            r = find_one(bkeys, btags, bcount, bnb, fmix(state[s]), pod >> 5)[0]
-            if r >= 0:
-                cleared = _clear(masks, counts, r, t, pod)
-                removed += cleared > 0
-                if cleared == 2:
-                    emptied[nempty] = r
-                    nempty += 1
-        stamps[t][s] = numba.uint32(0xFFFFFFFF)
-        v &= ~tbit
-        info[s] = v
-        if (v >> numba.uint32(20)) == 0:
-            gone[ngone] = s
-            ngone += 1
     rows_freed = 0
     if nempty:
         zeros = np.zeros(len(masks), dtype=np.uint32)

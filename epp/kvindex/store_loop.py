@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from epp.kvindex.block_chain import block_rows, chain_blocks
 from epp.kvindex.cuckoo import _pair, find_one, kick_place, place, prefetch_pair
-from epp.kvindex.ownership import add_units
+from epp.kvindex.ownership import add_units, has_extra_rows
 from epp.kvindex.prefetch import AHEAD
 
 if TYPE_CHECKING:
@@ -45,13 +45,6 @@ WI_ROWS: Final = 9
 """Rows of the intp workspace: nkeys, npend, nextra, tiers, slots, stuck, copies, later, again."""
 WU_ROWS: Final = 2
 """Blocks' worth of uint64 workspace before the `extra` keys: the chain states, the units' keys."""
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _has_extra_rows(v: Any) -> bool:  # pragma: no cover - compiled
-    """Whether a record of `info` v owns keys besides its implicit one (`ownership._with_extra_rows`)."""
-    nk: Any = (v >> numba.uint32(8)) & numba.uint32(0xFFF)
-    return bool(nk > (1 if (v & numba.uint32(0xFF)) == 0 else 0))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -103,7 +96,7 @@ def store_batch(  # pragma: no cover - compiled
         if i + AHEAD < n:
             prefetch_pair(rkeys, rcount, rnb, hashes[i + AHEAD], tags[i + AHEAD])
         s = find_one(rkeys, rtags, rcount, rnb, hashes[i], tags[i])[0]
-        if _has_extra_rows(info[s] if s >= 0 else rinfo[i]):
+        if has_extra_rows(info[s] if s >= 0 else rinfo[i]):
             return CHAINED, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
         slots[i] = s
     placed = 0
