@@ -33,6 +33,7 @@ from epp.server.app import EppServer, ServerSettings
 from epp.server.ext_proc import SERVICE_NAME
 from epp.testing.kube_api import ALPHA_POOLS, POOLS, FakeKubeApi
 from epp.testing.wait import eventually
+from tests.support.discovery import settings_at
 
 POOL = "llama"
 APP = {"app": "vllm"}
@@ -48,14 +49,7 @@ async def api() -> AsyncIterator[FakeKubeApi]:
 
 
 def settings_for(api: FakeKubeApi, tmp_path: pathlib.Path, group: str) -> DiscoverySettings:
-    return DiscoverySettings(
-        POOL,
-        pool_group=group,
-        kubeconfig=api.write_kubeconfig(tmp_path / "kubeconfig"),
-        backoff_initial=0.02,
-        backoff_max=0.2,
-        watch_timeout=60,
-    )
+    return settings_at(api, tmp_path, POOL, pool_group=group)
 
 
 @contextlib.asynccontextmanager

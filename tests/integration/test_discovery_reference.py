@@ -17,10 +17,10 @@ import pytest
 
 from epp.clock import MonotonicClock
 from epp.datastore import Datastore
-from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watcher import PoolWatcher
 from epp.testing.kube_api import POOLS, FakeKubeApi
 from epp.testing.wait import eventually
+from tests.support.discovery import settings_at
 
 POOL = "llama"
 APP = {"app": "vllm"}
@@ -38,14 +38,7 @@ async def api() -> AsyncIterator[FakeKubeApi]:
 @contextlib.asynccontextmanager
 async def watching(api: FakeKubeApi, tmp_path: pathlib.Path) -> AsyncIterator[tuple[PoolWatcher, Datastore]]:
     ds = Datastore(MonotonicClock())
-    settings = DiscoverySettings(
-        POOL,
-        kubeconfig=api.write_kubeconfig(tmp_path / "kubeconfig"),
-        backoff_initial=0.02,
-        backoff_max=0.2,
-        watch_timeout=60,
-    )
-    w = PoolWatcher(ds, settings)
+    w = PoolWatcher(ds, settings_at(api, tmp_path, POOL))
     await w.start()
     try:
         yield w, ds

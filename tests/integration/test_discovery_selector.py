@@ -27,6 +27,7 @@ from epp.discovery.settings import DiscoverySettings
 from epp.server.app import EppServer, ServerSettings
 from epp.testing.kube_api import ALPHA_POOLS, LLMD_REWRITES, PODS, POOLS, REWRITES, FakeKubeApi
 from epp.testing.wait import eventually
+from tests.support.discovery import fast_settings
 
 SELECTOR = "app=vllm,env in (prod,staging),!canary"
 PROD = {"app": "vllm", "env": "prod"}
@@ -39,15 +40,8 @@ async def api() -> AsyncIterator[FakeKubeApi]:
 
 
 def settings_for(kubeconfig: str, **kw: Any) -> DiscoverySettings:
-    base: dict[str, Any] = {
-        "endpoint_selector": parse_selector(SELECTOR),
-        "target_ports": (8000, 8001),
-        "kubeconfig": kubeconfig,
-        "backoff_initial": 0.02,
-        "backoff_max": 0.2,
-        "watch_timeout": 60,
-    }
-    return DiscoverySettings(**{**base, **kw})
+    selected: dict[str, Any] = {"endpoint_selector": parse_selector(SELECTOR), "target_ports": (8000, 8001)}
+    return fast_settings(kubeconfig, **{**selected, **kw})
 
 
 @dataclass

@@ -28,6 +28,7 @@ from epp.testing.envoy import free_port
 from epp.testing.kube_api import PODS, FakeKubeApi
 from epp.testing.kv_publisher import KvEventPublisher, stored
 from epp.testing.wait import eventually
+from tests.support.discovery import fast_settings
 
 POOL = "llama"
 APP = {"app": "vllm"}
@@ -60,10 +61,7 @@ class Rig:
 
 
 def settings_for(kubeconfig: str, **kw: Any) -> DiscoverySettings:
-    base = DiscoverySettings(
-        POOL, kubeconfig=kubeconfig, backoff_initial=0.02, backoff_max=0.2, watch_timeout=60
-    )
-    return replace(base, **kw)
+    return fast_settings(kubeconfig, POOL, **kw)
 
 
 @contextlib.asynccontextmanager

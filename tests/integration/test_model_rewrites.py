@@ -25,6 +25,7 @@ from epp.discovery.settings import GROUP_V1, GROUP_V1ALPHA2, DiscoverySettings
 from epp.server.app import EppServer, ServerSettings
 from epp.testing.kube_api import LLMD_REWRITES, REWRITES, FakeKubeApi
 from epp.testing.wait import eventually
+from tests.support.discovery import settings_at
 
 POOL = "llama"
 APP = {"app": "vllm"}
@@ -51,15 +52,7 @@ async def api() -> AsyncIterator[FakeKubeApi]:
 def settings_for(
     api: FakeKubeApi, tmp_path: pathlib.Path, group: str = GROUP_V1, **kw: Any
 ) -> DiscoverySettings:
-    return DiscoverySettings(
-        POOL,
-        pool_group=group,
-        kubeconfig=api.write_kubeconfig(tmp_path / "kubeconfig"),
-        backoff_initial=0.02,
-        backoff_max=0.2,
-        watch_timeout=60,
-        **kw,
-    )
+    return settings_at(api, tmp_path, POOL, pool_group=group, **kw)
 
 
 class Tables:

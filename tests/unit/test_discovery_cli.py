@@ -10,6 +10,7 @@ import pytest
 from epp.cli import main
 from epp.discovery.client import ApiError, DiscoveryConfigError, Gone, connect, parse_event, status_error
 from epp.discovery.settings import DiscoverySettings
+from tests.support.configs import STATIC_ENDPOINT
 
 LOCAL = ["--host", "127.0.0.1", "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
 
@@ -24,13 +25,7 @@ def test_config_endpoints_and_pool_name_together_are_refused(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfg = tmp_path / "epp.yaml"
-    cfg.write_text(
-        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-        "plugins:\n- type: max-score-picker\n- type: queue-scorer\n"
-        "schedulingProfiles: [{name: d, plugins: [{pluginRef: queue-scorer},\n"
-        "  {pluginRef: max-score-picker}]}]\n"
-        "endpoints: [{address: '10.0.0.1:8000'}]\n"
-    )
+    cfg.write_text(STATIC_ENDPOINT)
     assert main(["serve", "--config", str(cfg), "--pool-name", "pool", *LOCAL]) == 2
     err = capsys.readouterr().err
     assert "cannot be combined with static endpoints" in err and str(cfg) in err

@@ -16,6 +16,7 @@ from epp.config import default_config
 from epp.discovery.flags import discovery_settings
 from epp.discovery.selector import parse_selector
 from epp.discovery.settings import DiscoverySettings
+from tests.support.configs import STATIC_ENDPOINT
 
 LOCAL = ["--host", "127.0.0.1", "--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
 GOOD = ["--endpoint-selector", "app=vllm", "--endpoint-target-ports", "8000"]
@@ -117,13 +118,7 @@ def test_config_endpoints_and_a_selector_are_refused(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfg = tmp_path / "epp.yaml"
-    cfg.write_text(
-        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
-        "plugins:\n- type: max-score-picker\n- type: queue-scorer\n"
-        "schedulingProfiles: [{name: d, plugins: [{pluginRef: queue-scorer},\n"
-        "  {pluginRef: max-score-picker}]}]\n"
-        "endpoints: [{address: '10.0.0.1:8000'}]\n"
-    )
+    cfg.write_text(STATIC_ENDPOINT)
     message = f"cannot be combined with static endpoints (the endpoints of {cfg})"
     refused(capsys, serve(tmp_path, "--config", str(cfg), *GOOD), "--endpoint-selector", message)
 
