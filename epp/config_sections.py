@@ -109,8 +109,8 @@ def validation_error(source: str, raw: Any, err: msgspec.ValidationError) -> Con
         where = "tokenizers" if model is None else f"tokenizers {model!r}"
         if field == "(a key)" and rest:
             field = f"{rest.lstrip('.')} (a key)"
-        elif not rest and message.startswith("Expected"):
-            field = ""
+        elif not rest and message.startswith("Expected"):  # the entry itself
+            field = "(the entry)"
             message = f"must be a tokenizer directory or an object with a `path` ({message})"
         elif not rest:
             keys = ", ".join(f.encode_name for f in msgspec.structs.fields(TokenizerEntry))

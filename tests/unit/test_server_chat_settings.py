@@ -346,7 +346,7 @@ GOOD = (
 K = "defaultChatTemplateKwargs"
 F = "chatTemplateContentFormat"
 BAD_ENTRIES = [
-    ("5", "", "must be a tokenizer directory or an object with a `path`"),
+    ("5", "(the entry)", "must be a tokenizer directory or an object with a `path`"),
     ("{chatTemplate: /t.jinja}", "path", "missing required field `path`"),
     ("{path: ''}", "path", "needs a model name and a directory"),
     ("{path: /m, trustRequestChatTemplate: true}", "trustRequestChatTemplate", "unknown field"),
