@@ -29,10 +29,10 @@ from epp.costmodel.service import CostModel
 from epp.discovery.flags import add_discovery_flags, discovery_settings
 from epp.discovery.settings import DiscoverySettings
 from epp.durations import parse_duration
-from epp.kvindex.chat_inputs import TokenizerSpec
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
+from epp.kvindex.server_chat import TokenizerSpec
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
 from epp.server.numba_cache import cache_dir, seed_cache

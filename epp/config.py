@@ -51,7 +51,7 @@ from epp.config_sections import (
 )
 from epp.costmodel.profile import ProfileError
 from epp.costmodel.service import CostModelSettings, parse_cost_model
-from epp.kvindex.chat_inputs import TokenizerSpec
+from epp.kvindex.server_chat import TokenizerSpec
 from epp.scheduling.admission import Admission
 from epp.scheduling.framework import Filter, Picker, PluginHandle, ProfileHandler, Scorer
 from epp.scheduling.plugins.max_score_picker import MaxScorePicker

@@ -14,15 +14,10 @@ from typing import Any
 import msgspec
 
 from epp.durations import parse_duration
-from epp.kvindex.chat_inputs import (
-    CONTENT_FORMATS,
-    ChatTemplateError,
-    ServerChatSettings,
-    TokenizerSpec,
-    default_kwargs_problem,
-)
+from epp.kvindex.chat_inputs import ChatTemplateError
 from epp.kvindex.chat_template import ChatTemplate
 from epp.kvindex.ingest import MAX_DP_RANKS
+from epp.kvindex.server_chat import CONTENT_FORMATS, ServerChatSettings, TokenizerSpec, default_kwargs_problem
 from epp.scheduling.admission import Admission
 from epp.scheduling.saturation import SaturationDetector
 from epp.tenancy import TenancyConfig

@@ -28,8 +28,8 @@ Pure: no I/O. Follows vLLM's chat path (`ChatCompletionRequest` validation, `par
   `messages` when the template reads it, ...) raise. A true `tokenize` has transformers encode the text
   without special tokens (`template_tokenizes`); a `chat_template` is a template of the request's own
   (`request_template`).
-- The server's own settings (`ServerChatSettings`, vLLM's `--default-chat-template-kwargs`, `--chat-template`,
-  `--chat-template-content-format`), as vLLM 0.32 applies them (`vllm/renderers/online_renderer.py`:
+- The server's own settings (`server_chat.ServerChatSettings`, vLLM's `--default-chat-template-kwargs`,
+  `--chat-template`, `--chat-template-content-format`), as vLLM 0.32 applies them (`vllm/renderers/online_renderer.py`:
   `OnlineRenderer.preprocess_chat` and `render_responses`; `vllm/renderers/params.py`: `merge_kwargs`,
   `ChatParams.with_defaults`): the server's kwargs are the bottom layer, under the request's tools (and
   `tokenize` False), under the client's kwargs (None and "auto" dropped), under the request's documents and
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MAX_JSON_DEPTH = 32
@@ -81,89 +81,6 @@ class ChatTemplateError(ValueError):
 class NotTextContent(ChatTemplateError):
     """A message part the EPP cannot tokenize (an image, audio, embeddings): vLLM expands it into tokens
     and hashes only the engine knows."""
-
-
-# --- the server's own chat settings (vLLM's serve flags) ---
-
-CONTENT_FORMATS = ("auto", "string", "openai")
-"""vLLM's `ChatTemplateContentFormatOption` (`--chat-template-content-format`): "auto" detects the format
-from the template's AST (`chat_template.detect_content_format`), the others force it."""
-
-
-@dataclass(frozen=True, slots=True)
-class ServerChatSettings:
-    """What one model's vLLM server was started with that changes every chat prompt, as the EPP config
-    mirrors it (`tokenizers: {model: {path, defaultChatTemplateKwargs, chatTemplate,
-    chatTemplateContentFormat}}`). vLLM 0.32's flags (`vllm/entrypoints/openai/cli_args.py`,
-    `BaseFrontendArgs`): `--default-chat-template-kwargs` (a JSON object, "merged with request-level
-    chat_template_kwargs, with request values taking precedence"), `--chat-template` (a file path, else the
-    template itself: `vllm/renderers/chat_utils/chat_template.py`, `load_chat_template`), and
-    `--chat-template-content-format` (`auto`, `string`, `openai`)."""
-
-    default_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    chat_template: str | None = None  # the config's value: a file path or the template itself
-    content_format: str = "auto"
-
-    @property
-    def is_default(self) -> bool:
-        """Whether these are vLLM's defaults (nothing to mirror)."""
-        return not self.default_kwargs and self.chat_template is None and self.content_format == "auto"
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizerSpec:
-    """A `tokenizers` entry with server-side chat settings: the tokenizer directory and the settings."""
-
-    path: str
-    chat: ServerChatSettings = field(default_factory=ServerChatSettings)
-
-
-# keys of --default-chat-template-kwargs that make vLLM fail every chat request (or, `chat_template`, that
-# would replace the template by a path the EPP does not reproduce): refused when the config is loaded
-_REFUSED_DEFAULTS = {
-    "chat_template": "give the server's template as chatTemplate (vLLM's --chat-template)",
-    "return_assistant_tokens_mask": "vLLM refuses a chat with it",
-    **dict.fromkeys(
-        ("conversation", "self", "model_config", "tokenizer"),
-        "vLLM fails every chat with it (the call already has that argument)",
-    ),
-}
-
-
-def _json_problem(value: Any, where: str) -> str | None:
-    """Where `value` holds something that JSON (vLLM's `json.loads` of the flag) cannot: a date, a set,
-    a non-string key..."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return None
-    if isinstance(value, list):
-        return next((p for i, v in enumerate(value) if (p := _json_problem(v, f"{where}[{i}]"))), None)
-    if isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return f"{where}: key {k!r} is not a string"
-            if (p := _json_problem(v, f"{where}.{k}")) is not None:
-                return p
-        return None
-    return f"{where}: {type(value).__name__} is not a JSON value"
-
-
-def default_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
-    """Why `kwargs` cannot be a server's --default-chat-template-kwargs, or None."""
-    for key, why in _REFUSED_DEFAULTS.items():
-        if key in kwargs and (key != "return_assistant_tokens_mask" or kwargs[key]):
-            return f"key {key!r}: {why}"
-    for key, value in kwargs.items():
-        if not isinstance(key, str):
-            return f"key {key!r} is not a string"
-        problem = _json_problem(value, f"key {key!r}")
-        if problem is None:
-            try:
-                check_depth(value, f"key {key!r}")
-            except ChatTemplateError as e:
-                problem = str(e)
-        if problem is not None:
-            return problem
-    return None
 
 
 # --- nesting ---

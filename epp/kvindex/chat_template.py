@@ -18,7 +18,7 @@ Pure: no I/O, no clock (a template's `strftime_now` reads a wall clock only if o
 - A server's `--chat-template-content-format` other than "auto" replaces the detected format
   (`content_format`), and its `--default-chat-template-kwargs` are the bottom layer of the kwargs
   (`render(default_kwargs=...)`): as vLLM 0.32 applies them (`vllm/renderers/hf.py`,
-  `resolve_chat_template_content_format`; `chat_inputs.ServerChatSettings`).
+  `resolve_chat_template_content_format`; `server_chat.ServerChatSettings`).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from epp.kvindex.chat_inputs import (
-    CONTENT_FORMATS,
     ChatTemplateError,
     check_depth,
     developer_as_system,
     normalise,
     template_inputs,
 )
+from epp.kvindex.server_chat import CONTENT_FORMATS
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "detect_content_format"]
 

@@ -48,15 +48,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from epp.kvindex.chat_inputs import (
-    NotTextContent,
-    ServerChatSettings,
-    TokenizerSpec,
-    template_tokenizes,
-    uses_tools,
-)
+from epp.kvindex.chat_inputs import NotTextContent, template_tokenizes, uses_tools
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
 from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
+from epp.kvindex.server_chat import ServerChatSettings, TokenizerSpec
 from epp.kvindex.stable_cuts import special_affixes, stable_chunker
 from epp.kvindex.tokenizer_files import (
     TokenizerError,

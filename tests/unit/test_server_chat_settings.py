@@ -28,12 +28,13 @@ import pytest
 
 from epp.cli import _load, main
 from epp.config import ConfigError, parse_config
-from epp.kvindex.chat_inputs import ChatTemplateError, ServerChatSettings, TokenizerSpec
+from epp.kvindex.chat_inputs import ChatTemplateError
 from epp.kvindex.chat_template import ChatTemplate
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
+from epp.kvindex.server_chat import ServerChatSettings, TokenizerSpec
 from epp.kvindex.service import KvIndexService
 from epp.requests import build_request
 from epp.testing.tokenizer import build_tiny_tokenizer
