@@ -29,9 +29,9 @@ Pure: no I/O. Follows vLLM's chat path (`ChatCompletionRequest` validation, `par
   without special tokens (`template_tokenizes`); a `chat_template` is a template of the request's own
   (`request_template`).
 - The server's own settings (`server_chat.ServerChatSettings`, vLLM's `--default-chat-template-kwargs`,
-  `--chat-template`, `--chat-template-content-format`), as vLLM 0.32 applies them (`vllm/renderers/online_renderer.py`:
-  `OnlineRenderer.preprocess_chat` and `render_responses`; `vllm/renderers/params.py`: `merge_kwargs`,
-  `ChatParams.with_defaults`): the server's kwargs are the bottom layer, under the request's tools (and
+  `--chat-template`, `--chat-template-content-format`), as vLLM 0.32 applies them
+  (`vllm/renderers/online_renderer.py`: `OnlineRenderer.preprocess_chat` and `render_responses`;
+  `vllm/renderers/params.py`: `merge_kwargs`, `ChatParams.with_defaults`): the server's kwargs are the bottom layer, under the request's tools (and
   `tokenize` False), under the client's kwargs (None and "auto" dropped), under the request's documents and
   generation flags. A Responses request's None and "auto" kwargs are dropped too once the server has
   defaults (`with_defaults` merges them in then, filtering; without defaults it hands them on as they are).
