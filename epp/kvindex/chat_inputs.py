@@ -31,10 +31,11 @@ Pure: no I/O. Follows vLLM's chat path (`ChatCompletionRequest` validation, `par
 - The server's own settings (`server_chat.ServerChatSettings`, vLLM's `--default-chat-template-kwargs`,
   `--chat-template`, `--chat-template-content-format`), as vLLM 0.32 applies them
   (`vllm/renderers/online_renderer.py`: `OnlineRenderer.preprocess_chat` and `render_responses`;
-  `vllm/renderers/params.py`: `merge_kwargs`, `ChatParams.with_defaults`): the server's kwargs are the bottom layer, under the request's tools (and
-  `tokenize` False), under the client's kwargs (None and "auto" dropped), under the request's documents and
-  generation flags. A Responses request's None and "auto" kwargs are dropped too once the server has
-  defaults (`with_defaults` merges them in then, filtering; without defaults it hands them on as they are).
+  `vllm/renderers/params.py`: `merge_kwargs`, `ChatParams.with_defaults`): the server's kwargs are the
+  bottom layer, under the request's tools (and `tokenize` False), under the client's kwargs (None and
+  "auto" dropped), under the request's documents and generation flags. A Responses request's None and
+  "auto" kwargs are dropped too once the server has defaults (`with_defaults` merges them in then,
+  filtering; without defaults it hands them on as they are).
 - Nesting: no value the template receives (a message after parsing its tool calls' arguments, a tool, a
   chat_template_kwargs value the template reads) may nest objects and arrays more than `MAX_JSON_DEPTH`
   levels: `tojson(indent=...)` output grows with the square of the depth, and Python's JSON and Jinja
