@@ -308,7 +308,14 @@ class KvEventSubscriber:
             log.exception("kv events of %s: the connection monitor failed; opening the socket again", pod)
             ended = None
         finally:
-            monitor.close(linger=0)
+            # The socket goes now (reopened after the backoff): its monitor is stopped before the monitor
+            # socket closes. Stopping a monitor whose socket is closed blocks in libzmq for as long as the
+            # socket still reports events (a publisher that went away: it keeps reconnecting).
+            stream = self._streams.get((pod, rank))
+            if stream is not None and asyncio.current_task() in stream[2]:
+                close_stream(stream)
+            else:
+                monitor.close(linger=0)
         # libzmq will not reconnect; the pod is `publisher_unreachable` since the loss (`_disconnected`).
         delay = self._backoff.next((pod, rank))
         if ended is None:
