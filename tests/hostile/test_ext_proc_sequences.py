@@ -144,6 +144,9 @@ sequences = st.one_of(
         headers(eos=False, mode=0, response_mode=0, path=b"/v1/chat/completions"),
     ]
 )
+@example(  # a body before the headers (a 400 protocol error), then headers in NONE mode
+    [body(CHAT_BODY, False), headers(eos=False, mode=0, response_mode=0, path=b"/v1/chat/completions")]
+)
 def test_any_message_sequence_ends_cleanly_and_the_server_keeps_serving(
     epp: ServerThread, sequence: list[pb.ProcessingRequest]
 ) -> None:
@@ -161,8 +164,10 @@ def test_any_message_sequence_ends_cleanly_and_the_server_keeps_serving(
     if immediate:
         assert kinds.index("immediate_response") == len(kinds) - 1, kinds  # nothing after it
         [ir] = immediate
-        # (the request headers may come after other messages, e.g. response headers first)
-        first = next((m for m in sequence if m.HasField("request_headers")), sequence[0])
+        # (the request path's first message decides: request headers after response headers still count;
+        # a body or trailers before them is a 400 protocol error, whatever mode the headers then announce)
+        request_path = ("request_headers", "request_body", "request_trailers")
+        first = next((m for m in sequence if m.WhichOneof("request") in request_path), sequence[0])
         if routes_on_headers(first):  # a body in STREAMED or NONE mode: refused with a 500
             assert ir.status.code == 500 and b"request_body_mode" in ir.body, ir
         else:
