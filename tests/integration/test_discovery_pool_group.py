@@ -24,7 +24,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.clock import MonotonicClock
 from epp.config import parse_config
 from epp.datastore import Datastore
 from epp.discovery.settings import GROUP_V1, GROUP_V1ALPHA2, DiscoverySettings
@@ -33,7 +32,7 @@ from epp.server.app import EppServer, ServerSettings
 from epp.server.ext_proc import SERVICE_NAME
 from epp.testing.kube_api import ALPHA_POOLS, POOLS, FakeKubeApi
 from epp.testing.wait import eventually
-from tests.support.discovery import settings_at
+from tests.support.discovery import pool_watching, settings_at
 
 POOL = "llama"
 APP = {"app": "vllm"}
@@ -56,13 +55,8 @@ def settings_for(api: FakeKubeApi, tmp_path: pathlib.Path, group: str) -> Discov
 async def watching(
     api: FakeKubeApi, tmp_path: pathlib.Path, group: str
 ) -> AsyncIterator[tuple[PoolWatcher, Datastore]]:
-    ds = Datastore(MonotonicClock())
-    w = PoolWatcher(ds, settings_for(api, tmp_path, group))
-    await w.start()
-    try:
-        yield w, ds
-    finally:
-        await w.stop()
+    async with pool_watching(settings_for(api, tmp_path, group)) as watched:
+        yield watched
 
 
 def ids(ds: Datastore) -> set[str]:

@@ -15,12 +15,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from epp.clock import MonotonicClock
 from epp.datastore import Datastore
 from epp.discovery.watcher import PoolWatcher
 from epp.testing.kube_api import POOLS, FakeKubeApi
 from epp.testing.wait import eventually
-from tests.support.discovery import settings_at
+from tests.support.discovery import pool_watching, settings_at
 
 POOL = "llama"
 APP = {"app": "vllm"}
@@ -37,13 +36,8 @@ async def api() -> AsyncIterator[FakeKubeApi]:
 
 @contextlib.asynccontextmanager
 async def watching(api: FakeKubeApi, tmp_path: pathlib.Path) -> AsyncIterator[tuple[PoolWatcher, Datastore]]:
-    ds = Datastore(MonotonicClock())
-    w = PoolWatcher(ds, settings_at(api, tmp_path, POOL))
-    await w.start()
-    try:
-        yield w, ds
-    finally:
-        await w.stop()
+    async with pool_watching(settings_at(api, tmp_path, POOL)) as watched:
+        yield watched
 
 
 def ids(ds: Datastore) -> set[str]:
