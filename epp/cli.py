@@ -36,6 +36,7 @@ from epp.kvindex.server_chat import TokenizerSpec
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.scheduling.builtin import default_registry
 from epp.server.numba_cache import cache_dir, seed_cache
+from epp.tenancy import TenantSalter
 
 
 def _bool(text: str) -> bool:
@@ -199,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not load the `tokenizers` directories (check a deployment's config off the machine "
         "that has them); their entries are still checked for shape",
     )
+    c.add_argument(
+        "--skip-secrets",
+        action="store_true",
+        help="do not read the `tenancy` secret (its file or environment variable exists only in the pod); "
+        "the section is still checked for shape",
+    )
     sub.add_parser("plugins", help="list the plugin types this build knows")
     sub.add_parser(
         "warm-up",
@@ -240,9 +247,15 @@ def _load(args: argparse.Namespace) -> EppConfig:
     return dataclasses.replace(cfg, kv_events=kv, tokenizers=tokenizers)
 
 
-def _check(cfg: EppConfig, *, tokenizers: bool = True) -> None:
+def _check(cfg: EppConfig, *, tokenizers: bool = True, secrets: bool = True) -> None:
     """Build the scheduler as `epp serve` does (with the KV index and cost model services); `tokenizers`:
-    load the tokenizer directories too."""
+    load the tokenizer directories too; `secrets`: read the tenancy secret as `epp serve` does (a
+    missing or short secret raises ValueError, as there)."""
+    if secrets and cfg.tenancy is not None:
+        from epp.server.app import read_secret
+
+        t = cfg.tenancy
+        TenantSalter(t.header, read_secret(t, os.environ), t.missing)
     kv = KvIndexService(
         BlockIndex(block_size=cfg.index.block_size, max_entries=cfg.index.max_entries),
         FreshnessTracker(),
@@ -319,8 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.command == "check-config":
-            _check(load_config(args.file), tokenizers=not args.skip_tokenizers)
-            print(f"{args.file}: ok" + (" (tokenizers not loaded)" if args.skip_tokenizers else ""))
+            _check(load_config(args.file), tokenizers=not args.skip_tokenizers, secrets=not args.skip_secrets)
+            flags = (("tokenizers", args.skip_tokenizers), ("secrets", args.skip_secrets))
+            skipped = [what for what, skip in flags if skip]
+            print(f"{args.file}: ok" + (f" ({' and '.join(skipped)} not loaded)" if skipped else ""))
             return 0
         cfg = _load(args)
         if args.unhealthy_after < 1:

@@ -164,7 +164,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default=d.model, help="served model name")
     p.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: the demo's, built locally)")
-    p.add_argument("--kv-events-port", type=int, help="real engines: their KV-event publisher port")
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="real engines: their KV-event publisher port, e.g. 5557 (without it the EPP runs with KV "
+        "events off)",
+    )
     p.add_argument("--workdir", type=Path, default=d.workdir, help="where runs and the tokenizer go")
     p.add_argument("--seed", type=int, default=d.seed)
 

@@ -127,3 +127,35 @@ def test_check_config_can_skip_loading_tokenizers(capsys: pytest.CaptureFixture[
     assert "tokenizer" in capsys.readouterr().err
     assert main(["check-config", "--skip-tokenizers", str(path)]) == 0
     assert "ok (tokenizers not loaded)" in capsys.readouterr().out
+
+
+HEAD = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+
+
+def test_check_config_reads_the_tenancy_secret_as_serve_does(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config whose secret `epp serve` could not read is not `ok`; `--skip-secrets` checks the rest."""
+    missing = tmp_path / "t-missing.yaml"
+    missing.write_text(HEAD + f"tenancy: {{secretFile: {tmp_path / 'nope'}}}\n")
+    assert main(["check-config", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read secretFile" in err and "nope" in err
+    assert main(["check-config", "--skip-secrets", str(missing)]) == 0
+    assert "ok (secrets not loaded)" in capsys.readouterr().out
+
+    short = tmp_path / "short"
+    short.write_text("too-short\n")
+    cfg = tmp_path / "t-short.yaml"
+    cfg.write_text(HEAD + f"tenancy: {{secretFile: {short}}}\n")
+    assert main(["check-config", str(cfg)]) == 1
+    assert "at least 16 bytes" in capsys.readouterr().err
+
+    env = tmp_path / "t-env.yaml"
+    env.write_text(HEAD + "tenancy: {secretEnv: EPP_TEST_TENANT_SECRET}\n")
+    monkeypatch.delenv("EPP_TEST_TENANT_SECRET", raising=False)
+    assert main(["check-config", str(env)]) == 1
+    assert "EPP_TEST_TENANT_SECRET" in capsys.readouterr().err
+    monkeypatch.setenv("EPP_TEST_TENANT_SECRET", "a-secret-of-enough-bytes")
+    assert main(["check-config", str(env)]) == 0
+    assert capsys.readouterr().out.strip().endswith(": ok")
