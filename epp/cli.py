@@ -21,6 +21,7 @@ from epp.config import (
     build_scheduler,
     default_config,
     load_config,
+    parse_config,
     parse_endpoint_address,
 )
 from epp.config_sections import ConfigError
@@ -34,6 +35,8 @@ from epp.kvindex.index import BlockIndex
 from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
 from epp.kvindex.server_chat import TokenizerSpec
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
+from epp.log_format import configure as configure_logging
+from epp.reference_flags import ReferenceFlags, add_reference_flags, log_level_given, notes, resolve
 from epp.scheduling.builtin import default_registry
 from epp.server.numba_cache import cache_dir, seed_cache
 from epp.tenancy import TenantSalter
@@ -192,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="local tokenizer directory (tokenizer.json) for a model; repeatable",
     )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_reference_flags(s)
     c = sub.add_parser("check-config", help="validate an EndpointPickerConfig file and exit")
     c.add_argument("file")
     c.add_argument(
@@ -221,7 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace) -> EppConfig:
     """The config file (or the built-in default), with the KV-event and tokenizer flags applied over it."""
-    cfg = load_config(args.config) if args.config else default_config()
+    if args.config_text is not None:
+        cfg = parse_config(args.config_text, "--config-text")
+    else:
+        cfg = load_config(args.config) if args.config else default_config()
     kv = cfg.kv_events
     overrides: dict[str, object] = {}
     for flag, field in (
@@ -267,7 +274,7 @@ def _check(cfg: EppConfig, *, tokenizers: bool = True, secrets: bool = True) -> 
 
 
 async def _serve(
-    args: argparse.Namespace, cfg: EppConfig, discovery: DiscoverySettings | None = None
+    args: argparse.Namespace, cfg: EppConfig, ref: ReferenceFlags, discovery: DiscoverySettings | None = None
 ) -> None:
     from epp.server.app import EppServer, ServerSettings
 
@@ -287,6 +294,11 @@ async def _serve(
         seed=args.seed,
         debug_endpoints=args.enable_debug_endpoints,
         discovery=discovery,
+        engine_metrics_scheme=ref.metrics_scheme,
+        engine_metrics_path=ref.metrics_path,
+        engine_metrics_port=ref.metrics_port,
+        engine_metrics_verify_tls=ref.metrics_verify_tls,
+        cert_reload=ref.cert_reload,
     )
     server = EppServer(settings, cfg, args.endpoints)
     stop = asyncio.Event()
@@ -319,6 +331,7 @@ def _warm_up() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from epp.demo.runner import main as demo_main
@@ -337,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             skipped = [what for what, skip in flags if skip]
             print(f"{args.file}: ok" + (f" ({' and '.join(skipped)} not loaded)" if skipped else ""))
             return 0
+        ref = resolve(args, log_level_given(argv))
         cfg = _load(args)
         if args.unhealthy_after < 1:
             raise ConfigError("flags", "", "--unhealthy-after", "must be >= 1")
@@ -349,11 +363,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "no endpoints: pass --endpoints, list them in the config, "
                 "or --pool-name / --endpoint-selector for Kubernetes discovery",
             )
-        logging.basicConfig(
-            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        configure_logging(ref.log_level, ref.log_json)
+        for note in notes(args):
+            logging.getLogger("epp").info("%s", note)
         seed_cache(os.environ)  # before the warm-up: the image's compiled code, when it carries some
-        asyncio.run(_serve(args, cfg, discovery))
+        asyncio.run(_serve(args, cfg, ref, discovery))
     except ConfigError as err:
         print(f"epp: config error: {err}", file=sys.stderr)
         return 2

@@ -42,7 +42,7 @@ from epp.server.ext_proc import SERVICE_NAME, ExtProcService
 from epp.server.kv_metrics import KvIndexCollector
 from epp.server.metrics import EppMetrics
 from epp.server.startup import ScrapeRound, check_scrape_settings
-from epp.server.tls import load_cert_dir, self_signed
+from epp.server.tls import CertReloader, load_cert_dir, self_signed
 from epp.server.tokenizing import PromptTokenizing
 from epp.sources.kv_events import KvEventSubscriber
 from epp.sources.metrics_scrape import MetricsScraper
@@ -50,8 +50,15 @@ from epp.tenancy import TenancyConfig, TenantSalter
 
 log = logging.getLogger("epp.server")
 
-HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME)
-READINESS_SERVICES = ("", "readiness", SERVICE_NAME)  # follow the pool (with discovery); liveness does not
+REFERENCE_CHART_SERVICE = "inference-extension"
+"""The service name the reference's Helm chart probes (liveness and readiness) without leader election."""
+HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME, REFERENCE_CHART_SERVICE)
+READINESS_SERVICES = (
+    "",
+    "readiness",
+    SERVICE_NAME,
+    REFERENCE_CHART_SERVICE,
+)  # follow the pool; liveness does not
 _GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -78,6 +85,17 @@ class ServerSettings:
     seed: int | None = None
     debug_endpoints: bool = True
     discovery: DiscoverySettings | None = None  # endpoints from an InferencePool or a selector (not static)
+    engine_metrics_scheme: str = (
+        "http"  # the engines' /metrics (the reference's --model-server-metrics-* flags)
+    )
+    engine_metrics_path: str = "/metrics"
+    engine_metrics_port: int | None = None  # scrape this port of every endpoint instead of its serving port
+    engine_metrics_verify_tls: bool = (
+        False  # https scrapes: verify the engines' certificates (the reference: no)
+    )
+    cert_reload: bool = (
+        False  # --enable-cert-reload: new TLS handshakes use --cert-path's files as they are now
+    )
 
     @classmethod
     def loopback(cls, **overrides: Any) -> ServerSettings:
@@ -187,6 +205,10 @@ class EppServer:
                 self.clock,
                 interval=settings.refresh_metrics_interval,
                 timeout=settings.metrics_timeout,
+                path=settings.engine_metrics_path,
+                scheme=settings.engine_metrics_scheme,
+                port=settings.engine_metrics_port,
+                verify_tls=settings.engine_metrics_verify_tls,
                 observer=self.scrape_round,
             )
         self.discovery: PodTracker | None = None
@@ -288,6 +310,10 @@ class EppServer:
         s = self.settings
         if not s.secure_serving:
             return None
+        if s.cert_path and s.cert_reload:
+            reloader = CertReloader(s.cert_path)
+            self.certificate_pem = reloader.certificate_pem
+            return reloader.credentials()
         crt, key = load_cert_dir(s.cert_path) if s.cert_path else self_signed()
         self.certificate_pem = crt
         return grpc.ssl_server_credentials([(key, crt)])

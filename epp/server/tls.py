@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 from typing import Any
 
+import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+_log = logging.getLogger("epp.server.tls")
 
 
 def self_signed(common_name: str = "epp", days: int = 3650) -> tuple[bytes, bytes]:
@@ -75,3 +79,51 @@ def _public_der(public: Any) -> bytes:
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return der
+
+
+class CertReloader:
+    """`--enable-cert-reload`: serve `path/tls.crt` and `tls.key` as they are at each new TLS handshake
+    (gRPC asks `fetch` before each), so a renewed certificate (a Kubernetes Secret volume swaps its files
+    in place) is taken without a restart. Files that change are re-read and checked as at start; a pair that
+    does not load (half written, not matching) is logged and the last good pair stays in use."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.certificate_pem, self._key = load_cert_dir(path)  # start fails, as without reload, if bad
+        self._stamp = self._stat()
+        self.reloads = 0  # pairs taken after the first
+        self.failures = 0  # changed pairs that did not load
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+        out = []
+        for name in ("tls.crt", "tls.key"):
+            try:
+                st = os.stat(os.path.join(self.path, name))
+            except OSError:
+                out.append((-1, -1, -1))
+            else:
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        initial = grpc.ssl_server_certificate_configuration([(self._key, self.certificate_pem)])
+        return grpc.dynamic_ssl_server_credentials(initial, self.fetch)
+
+    def fetch(self) -> Any:
+        """None (keep the current pair) or the new certificate configuration."""
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        try:
+            crt, key = load_cert_dir(self.path)
+        except ValueError as err:
+            self.failures += 1
+            _log.error("--enable-cert-reload: keeping the current certificate: %s", err)
+            return None
+        if (crt, key) == (self.certificate_pem, self._key):
+            return None
+        self.certificate_pem, self._key = crt, key
+        self.reloads += 1
+        _log.info("--enable-cert-reload: serving the new certificate of %s", self.path)
+        return grpc.ssl_server_certificate_configuration([(key, crt)])

@@ -70,12 +70,16 @@ class _Streak:
     last_log_at: float = -math.inf
 
 
-def endpoint_url(scheme: str, endpoint_id: EndpointId, path: str) -> str:
-    """`ip:port` (IPv6 bracketed or not) plus path -> URL."""
-    host, sep, port = endpoint_id.rpartition(":")
-    if sep and ":" in host and not host.startswith("["):
-        return f"{scheme}://[{host}]:{port}{path}"
-    return f"{scheme}://{endpoint_id}{path}"
+def endpoint_url(scheme: str, endpoint_id: EndpointId, path: str, port: int | None = None) -> str:
+    """`ip:port` (IPv6 bracketed or not) plus path -> URL; `port`: that port instead of the endpoint's."""
+    host, sep, own = endpoint_id.rpartition(":")
+    if not sep:
+        host, own = endpoint_id, ""
+    if port is not None:
+        own = str(port)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{own}{path}" if own else f"{scheme}://{host}{path}"
 
 
 class MetricsScraper:
@@ -93,8 +97,12 @@ class MetricsScraper:
         timeout: float,
         path: str = "/metrics",
         scheme: str = "http",
+        port: int | None = None,
+        verify_tls: bool = True,
         observer: ScrapeObserver | None = None,
     ) -> None:
+        """`port`: scrape that port of every endpoint instead of its serving port; `verify_tls`: check the
+        engines' certificates on https (the reference EPP skips it by default)."""
         if not (math.isfinite(interval) and interval > 0):
             raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
         if not (math.isfinite(timeout) and timeout > 0):
@@ -106,6 +114,8 @@ class MetricsScraper:
         self._request_timeout = aiohttp.ClientTimeout(total=timeout)
         self._path = path if path.startswith("/") else "/" + path
         self._scheme = scheme
+        self._port = port
+        self._verify_tls = verify_tls
         self._observer = observer
         self._observer_failed = False
         self._session: aiohttp.ClientSession | None = None
@@ -132,7 +142,11 @@ class MetricsScraper:
     async def start(self) -> None:
         if self._session is not None:
             raise RuntimeError("MetricsScraper already started")
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=max(30.0, 4 * self._interval))
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            keepalive_timeout=max(30.0, 4 * self._interval),
+            ssl=self._verify_tls,  # True: aiohttp's default (verifying) context
+        )
         self._session = aiohttp.ClientSession(
             connector=connector, headers=_HEADERS, timeout=self._request_timeout
         )
@@ -196,7 +210,7 @@ class MetricsScraper:
 
     async def _run(self, eid: EndpointId, session: aiohttp.ClientSession) -> None:
         loop = asyncio.get_running_loop()
-        url = endpoint_url(self._scheme, eid, self._path)
+        url = endpoint_url(self._scheme, eid, self._path, self._port)
         streak = _Streak()
         next_at = loop.time()
         while self._datastore.get(eid) is not None:

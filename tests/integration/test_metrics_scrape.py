@@ -31,6 +31,7 @@ class FakeEngine:
         self.peers: set[Any] = set()
         self.release = asyncio.Event()
         self.port = 0
+        self.ssl_context: Any = None  # serve https with it
         self._runner: web.AppRunner | None = None
 
     @property
@@ -70,7 +71,8 @@ class FakeEngine:
         app.router.add_get("/metrics", self._handle)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()  # port 0 the first time
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self.ssl_context)
+        await site.start()  # port 0 the first time
         self.port = self._runner.addresses[0][1]
         return self
 
@@ -305,6 +307,55 @@ async def test_stop_leaves_no_tasks_and_closes_the_session(
 )
 def test_endpoint_url(endpoint: str, url: str) -> None:
     assert endpoint_url("http", endpoint, "/metrics") == url
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "url"),
+    [
+        ("10.0.0.1:8000", "https://10.0.0.1:9400/stats"),
+        ("fd00::1:8000", "https://[fd00::1]:9400/stats"),
+        ("[fd00::1]:8000", "https://[fd00::1]:9400/stats"),
+    ],
+)
+def test_endpoint_url_with_another_port(endpoint: str, url: str) -> None:
+    """`--model-server-metrics-port`: the same host, that port."""
+    assert endpoint_url("https", endpoint, "/stats", 9400) == url
+
+
+async def test_https_scrapes_skip_verification_unless_asked_to_verify(tmp_path: Any) -> None:
+    """An engine serving /metrics over https with a self-signed certificate: scraped with verification off
+    (the reference's default); with it on (`--model-server-metrics-https-insecure-skip-verify=false`) the
+    scrapes fail and the endpoint turns unhealthy, its values never read."""
+    import ssl
+
+    from epp.server.tls import self_signed
+
+    crt, key = self_signed()
+    (tmp_path / "c.pem").write_bytes(crt)
+    (tmp_path / "k.pem").write_bytes(key)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+    eng = FakeEngine(waiting=7)
+    eng.ssl_context = ctx
+    await eng.start()
+    try:
+        for verify in (False, True):
+            ds = Datastore(MonotonicClock(), unhealthy_after_failures=THRESHOLD)
+            ds.add_endpoint(eng.id, "llama")
+            seen = Recorder()
+            hits = eng.hits
+            async with MetricsScraper(
+                ds, ds.clock, interval=0.02, timeout=1.0, scheme="https", verify_tls=verify, observer=seen
+            ):
+                if not verify:
+                    await eventually(lambda d=ds: rec(d, eng.id).metrics is not None, "https scraped")
+                    assert rec(ds, eng.id).metrics.waiting == 7  # type: ignore[union-attr]
+                else:
+                    await eventually(lambda d=ds: not rec(d, eng.id).healthy, "verification fails")
+                    assert rec(ds, eng.id).metrics is None and eng.hits == hits
+                    assert True not in {ok for _, ok, _, _ in seen.calls}
+    finally:
+        await eng.stop()
 
 
 async def test_a_page_of_megabytes_is_parsed_off_the_event_loop_and_its_model_names_bounded(
