@@ -12,8 +12,9 @@ field, and the table is built from the others.
 
 Rewrites are optional: a `404` (the CRD is not installed) or `401`/`403` (no RBAC for it) is logged
 once, then retried with backoff without failing anything; the EPP serves meanwhile (with no rewrites
-while the resource is not served; with the last known ones during other API-server errors). They
-never change readiness.
+while the resource is not served; with the last known ones during other API-server errors). Readiness
+waits for the first attempt to list them (`wait_settled`: listed, or that attempt failed), so that the
+first requests a new replica takes already follow the rules that exist; later failures never change it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class ModelRewriteWatcher(ListWatcher):
         self.rv: str | None = None
         self.listed = False  # listed at least once
         self._listed_event = asyncio.Event()
+        self._settled_event = asyncio.Event()  # the first list attempt ended (listed or failed)
         self._last_error: str | None = None  # the kind logged last; the same kind again is logged quietly
         self._task: asyncio.Task[None] | None = None
 
@@ -91,6 +93,14 @@ class ModelRewriteWatcher(ListWatcher):
     async def wait_listed(self) -> None:
         await self._listed_event.wait()
 
+    async def wait_settled(self) -> None:
+        """Until the first attempt to list the rewrites has ended, in a list or a failure."""
+        await self._settled_event.wait()
+
+    def _failed(self, resource: str, err: Exception, delay: float) -> None:
+        super()._failed(resource, err, delay)
+        self._settled_event.set()
+
     # -- the loop --------------------------------------------------------------------------
     async def _loop(self) -> None:
         await self._list_and_watch(REWRITE, lambda api: api.rewrites(), self._on_list, self._on_event)
@@ -117,6 +127,7 @@ class ModelRewriteWatcher(ListWatcher):
         if not self.listed:
             self.listed = True
             self._listed_event.set()
+            self._settled_event.set()
         self._publish()
 
     def _on_event(self, kind: str, obj: Mapping[str, Any]) -> None:

@@ -275,6 +275,8 @@ class EppServer:
         429 for the first round after start."""
         if self.discovery is not None:
             await self.discovery.wait_synced()
+        if self.model_rewrites is not None:  # the first requests follow the rewrite rules that exist
+            await self.model_rewrites.wait_settled()
         if self.scrape_round is not None:
             done = await self.scrape_round.wait(set(self.datastore.ids()), self.settings.metrics_timeout)
             self.scrape_round.finish()

@@ -26,6 +26,7 @@ InferenceModelRewrites are served at
 `/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferencemodelrewrites[/{name}]` (and the
 same schema under `llm-d.ai/v1alpha2`, llm-d's group, as another resource);
 `rewrite_crd_installed=False` (`llmd_rewrite_crd_installed=False`) makes that resource 404.
+`hold_lists[resource]` (an `asyncio.Event`) holds that resource's list requests until it is set.
 
 Tests change the world with `add_pod`/`update_pod`/`delete_pod`, `add_pool`/`put_pool`/
 `update_pool`/`delete_pool` (v1), `add_alpha_pool`/`update_alpha_pool`/`delete_alpha_pool`
@@ -232,6 +233,7 @@ class FakeKubeApi(KubeObjects):
         self.history: list[_Change] = []
         self.requests: list[tuple[str, dict[str, str]]] = []  # (path, query) of every request
         self._failures: list[int] = []
+        self.hold_lists: dict[str, asyncio.Event] = {}  # resource -> lists wait until it is set
         self._watches: set[_Watch] = set()
         self._uids = itertools.count(1)
         self._runner: web.AppRunner | None = None
@@ -432,6 +434,9 @@ current-context: fake
             resource, request.match_info["ns"], labels, fields, _true(q.get("allowWatchBookmarks"))
         )
         if not _true(q.get("watch")):
+            hold = self.hold_lists.get(resource)
+            if hold is not None:
+                await hold.wait()
             kind, api_version = KINDS[resource]
             items = [
                 o

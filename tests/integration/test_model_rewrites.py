@@ -358,3 +358,39 @@ async def test_the_server_applies_the_rewrites_and_serves_without_the_crd(
     finally:
         await epp.stop(grace=0.2)
     assert watcher._task is None  # stopped with the server
+
+
+async def test_readiness_waits_for_the_first_list_of_rewrites(
+    api: FakeKubeApi, tmp_path: pathlib.Path
+) -> None:
+    """A new replica turns ready only once its first attempt to list the rewrites has ended, so its first
+    requests follow the rules that exist (the pool listed and synced is not enough)."""
+    import asyncio
+
+    from epp.testing.kube_api import REWRITES as REWRITES_RESOURCE
+
+    api.add_pool(POOL, APP, [8000])
+    api.add_pod("a", "10.0.0.1", APP)
+    api.add_rewrite("canary", POOL, [exact("food-review", ("food-review-v2", None))])
+    gate = api.hold_lists[REWRITES_RESOURCE] = asyncio.Event()
+    settings = ServerSettings.loopback(
+        refresh_metrics_interval=0, pool_name=POOL, discovery=settings_for(api, tmp_path), seed=1
+    )
+    epp = EppServer(settings, parse_config(CONFIG, "config.yaml"))
+    await epp.start()
+    try:
+        assert epp.discovery is not None
+        await epp.discovery.wait_synced()
+        await eventually(
+            lambda: any("inferencemodelrewrites" in path for path, _ in api.requests), "the rewrites listed"
+        )
+        await asyncio.sleep(0.3)  # room for the readiness task to run on (it must stay waiting)
+        assert not epp.is_ready() and not epp.director.model_rewrites
+        gate.set()
+        await eventually(lambda: epp.is_ready(), "ready once the rewrites are listed")
+        body = json.dumps({"model": "food-review", "prompt": "hi", "max_tokens": 1}).encode()
+        routed = epp.director.route({}, body)
+        assert routed.request.model == "food-review-v2"
+        epp.director.finish(routed, "complete")
+    finally:
+        await epp.stop(grace=0.2)
