@@ -233,6 +233,7 @@ class EppServer:
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._ready = False
+        self._pool_serving = True  # with discovery: the pool's readiness as last answered (`_follow_pool`)
         self.grpc_port = 0
         self.grpc_health_port = 0
         self.metrics_port = 0
@@ -254,7 +255,7 @@ class EppServer:
     def is_ready(self) -> bool:
         """Serving, the pool present and its pods listed (with discovery), and the endpoints' first
         scrape attempted."""
-        return self._ready and (self.discovery is None or self.discovery.ready)
+        return self._ready and (self.discovery is None or (self.discovery.ready and self._pool_serving))
 
     def _follow_endpoints(self) -> None:
         """Discovery changed the endpoint set: scrape and subscribe (or stop) now, not at the next tick."""
@@ -298,10 +299,21 @@ class EppServer:
 
     async def _follow_pool(self, watcher: PodTracker, ready: bool) -> None:
         """As the reference EPP: the readiness services answer NOT_SERVING while the pool is deleted
-        (or being deleted), SERVING again once it exists and its pods are listed; liveness stays. `ready`:
-        what the readiness services answer now."""
+        (or being deleted), SERVING again once it exists, its pods are listed and their endpoints have had
+        a first scrape attempt (as at start); liveness stays. `ready`: what the readiness services answer
+        now."""
         while True:
             ready = await watcher.wait_ready_change(ready)
+            self._pool_serving = False  # (gone, or back but not yet scraped)
+            if ready and self.scrape_round is not None:
+                # Back: the pods' endpoints were re-added without metrics; as at start, wait (at most the
+                # scrape timeout) for their first scrape, or the staleness filter would answer 429.
+                self.scrape_round.begin()
+                fresh = {eid for eid in self.datastore.ids() if (r := self.datastore.get(eid)) and r.metrics}
+                await self.scrape_round.wait(set(self.datastore.ids()) - fresh, self.settings.metrics_timeout)
+                self.scrape_round.finish()
+                ready = watcher.ready  # (it may have gone again meanwhile)
+            self._pool_serving = ready
             status = health_pb2.HealthCheckResponse.NOT_SERVING
             if ready:
                 status = health_pb2.HealthCheckResponse.SERVING
@@ -393,6 +405,7 @@ class EppServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         self._ready = False
+        self._pool_serving = True  # with discovery: the pool's readiness as last answered (`_follow_pool`)
         if self._readiness is not None:
             self._readiness.cancel()
         if self.discovery is not None:

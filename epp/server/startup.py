@@ -48,6 +48,11 @@ class ScrapeRound:
                     await self._changed.wait()
         return endpoints <= self.attempted
 
+    def begin(self) -> None:
+        """Track again from now (a new round: the endpoints of a pool that came back)."""
+        self._tracking = True
+        self.attempted.clear()
+
     def finish(self) -> None:
         self._tracking = False
         self.attempted.clear()

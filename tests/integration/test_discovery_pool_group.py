@@ -245,3 +245,61 @@ async def test_readiness_follows_the_pool_after_it_is_deleted(
             assert watcher.readiness_lost == 2
     finally:
         await epp.stop(grace=0.2)
+
+
+async def test_a_pool_that_comes_back_is_ready_once_its_endpoints_are_scraped(
+    api: FakeKubeApi, tmp_path: pathlib.Path
+) -> None:
+    """Deleting the pool drops its endpoints (and their metrics); when it exists again, readiness waits, as
+    at start, for the re-added endpoints' first scrape, so the staleness filter does not answer 429 to the
+    first requests."""
+    from aiohttp import web
+
+    open_ = asyncio.Event()
+    open_.set()
+    hits = 0
+
+    async def metrics(_: web.Request) -> web.Response:
+        nonlocal hits
+        hits += 1
+        await open_.wait()
+        return web.Response(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    api.add_pool(POOL, APP, [port])
+    api.add_pod("a", "127.0.0.1", APP)
+    settings = ServerSettings.loopback(
+        refresh_metrics_interval=0.05,
+        metrics_timeout=30.0,
+        pool_name=POOL,
+        discovery=settings_for(api, tmp_path, GROUP_V1),
+    )
+    epp = EppServer(settings, parse_config(NO_STALENESS_FILTER, "no-filter.yaml"))
+    await epp.start()
+    endpoint = f"127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_health(epp, session, READY, "ready once the pool's endpoint is scraped")
+            api.delete_pool(POOL)
+            await until_health(epp, session, GONE, "not ready once the pool is deleted")
+            open_.clear()  # the next scrapes hang
+            before = hits
+            api.add_pool(POOL, APP, [port])
+            await eventually(lambda: hits > before, "the re-added endpoint's first scrape sent")
+            await asyncio.sleep(0.3)  # room for readiness to move (it must not yet)
+            assert await statuses(epp, session) == GONE
+            record = epp.datastore.get(endpoint)
+            assert record is not None and record.metrics is None
+            open_.set()
+            await until_health(epp, session, READY, "ready once that scrape ended")
+            record = epp.datastore.get(endpoint)
+            assert record is not None and record.metrics is not None
+    finally:
+        open_.set()
+        await epp.stop(grace=0.2)
+        await runner.cleanup()
