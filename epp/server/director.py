@@ -164,7 +164,7 @@ class Director:
         salt. Between the halves the server may tokenize the prompt in a worker thread."""
         doc: dict[str, Any] | None = None if body is None else parse_body(body)
         new_body: bytes | None = None
-        incoming = None if doc is None else self._rewrite_model(headers, doc)
+        incoming, decision = (None, None) if doc is None else self._rewrite_model(headers, doc)
         if self.tenancy is not None:  # the tenant's salt replaces any client-sent cache_salt
             if doc is not None:
                 new_body = self.tenancy.apply(headers, doc)
@@ -178,10 +178,16 @@ class Director:
         request = build_request(
             headers, doc, self.objectives, len(body) if body is not None else 0, served_models=served
         )
+        if decision is not None:  # counted once the request is taken (not for one refused with 400/403)
+            self.rewrite_decisions[decision] += 1
+            self.metrics.model_rewrites(*decision).inc()
         return ParsedRequest(request, new_body, incoming)
 
-    def _rewrite_model(self, headers: Mapping[str, str], doc: dict[str, Any]) -> str | None:
-        """Rewrite the body's `model`: returns the client's model when it was replaced. The
+    def _rewrite_model(
+        self, headers: Mapping[str, str], doc: dict[str, Any]
+    ) -> tuple[str | None, tuple[str, str, str] | None]:
+        """Rewrite the body's `model`: returns the client's model when it was replaced, and the
+        InferenceModelRewrite decision to count (its metric labels) when a rule picked the target. The
         InferenceModelRewrite rule for the client's model, when there is one, picks the target and takes
         precedence over the rewrite header, as in the reference (llm-d/llm-d-router
         pkg/epp/requestcontrol/director.go: `applyWeightedModelRewrite` runs after the header set the
@@ -189,18 +195,17 @@ class Director:
         target = _header_target(headers, doc)
         model = doc.get("model")
         if not isinstance(model, str) or not model:
-            return None  # build_request refuses it (400)
+            return None, None  # build_request refuses it (400)
+        decision = None
         if self.model_rewrites:
             hit = self.model_rewrites.rewrite(model, self.rewrite_rng)
             if hit is not None:
                 rule, target = hit
-                key = (rule.source, self.model_label(model), self.model_label(target))
-                self.rewrite_decisions[key] += 1
-                self.metrics.model_rewrites(*key).inc()
+                decision = (rule.source, self.model_label(model), self.model_label(target))
         if target is None or target == model:
-            return None
+            return None, decision
         doc["model"] = target
-        return model
+        return model, decision
 
     def route_parsed(
         self,

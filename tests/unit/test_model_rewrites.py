@@ -408,3 +408,21 @@ def test_a_body_without_a_model_is_400_whatever_the_rules_say() -> None:
     [resp] = s.on_message(body(json.dumps({"prompt": "x"}).encode(), True))
     assert resp.immediate_response.status.code == 400
     assert not d.rewrite_decisions
+
+
+def test_a_request_refused_after_the_rule_matched_is_not_counted() -> None:
+    """The rule matches the model, but the request is refused (400: `messages` is not a list): no decision
+    is counted, nothing is in flight, and the next valid request is counted once."""
+    d = director()
+    d.model_rewrites = table(obj(rules=[exact_rule("food-review", ("food-review-v2", None))]))
+    s = RequestStream(d, 1 << 30)
+    s.on_message(headers())
+    [resp] = s.on_message(body(json.dumps({**BODY, "messages": "not a list"}).encode(), True))
+    assert resp.immediate_response.status.code == 400
+    assert not d.rewrite_decisions and d.datastore.total_in_flight() == 0
+    rewrite = {"model_rewrite_name": "canary", "model_name": "food-review", "target_model": "food-review-v2"}
+    assert not sample(d, "inference_extension_model_rewrite_decisions_total", rewrite)
+    _, out = send(d, BODY)
+    assert json.loads(forwarded_body(out))["model"] == "food-review-v2"
+    assert d.rewrite_decisions == Counter({("canary", "food-review", "food-review-v2"): 1})
+    assert sample(d, "inference_extension_model_rewrite_decisions_total", rewrite) == 1
