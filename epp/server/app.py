@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import random
@@ -13,7 +12,7 @@ from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from epp.clock import MonotonicClock
 from epp.config import ConfigError, EppConfig, StaticEndpoint, build_scheduler
@@ -38,9 +37,10 @@ from epp.server.admin import AdminServer
 from epp.server.body_budget import BodyBudget
 from epp.server.decisions import DecisionLog
 from epp.server.director import Director
-from epp.server.ext_proc import SERVICE_NAME, ExtProcService
+from epp.server.ext_proc import ExtProcService
 from epp.server.kv_metrics import KvIndexCollector
 from epp.server.metrics import EppMetrics
+from epp.server.readiness import Readiness
 from epp.server.startup import ScrapeRound, check_scrape_settings
 from epp.server.tls import CertReloader, load_cert_dir, self_signed
 from epp.server.tokenizing import PromptTokenizing
@@ -50,15 +50,6 @@ from epp.tenancy import TenancyConfig, TenantSalter
 
 log = logging.getLogger("epp.server")
 
-REFERENCE_CHART_SERVICE = "inference-extension"
-"""The service name the reference's Helm chart probes (liveness and readiness) without leader election."""
-HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE_NAME, REFERENCE_CHART_SERVICE)
-READINESS_SERVICES = (
-    "",
-    "readiness",
-    SERVICE_NAME,
-    REFERENCE_CHART_SERVICE,
-)  # follow the pool; liveness does not
 _GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -229,11 +220,16 @@ class EppServer:
                     settings.discovery, self._follow_rewrites, observer=self.metrics
                 )
         self._sources_started = False
-        self._readiness: asyncio.Task[None] | None = None
+        self.readiness = Readiness(
+            self.health,
+            self.datastore,
+            settings.metrics_timeout,
+            discovery=self.discovery,
+            rewrites=self.model_rewrites,
+            scrape_round=self.scrape_round,
+        )
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
-        self._ready = False
-        self._pool_serving = True  # with discovery: the pool's readiness as last answered (`_follow_pool`)
         self.grpc_port = 0
         self.grpc_health_port = 0
         self.metrics_port = 0
@@ -253,9 +249,8 @@ class EppServer:
         return {m for m in map(self._model_of, self.datastore.ids()) if m}
 
     def is_ready(self) -> bool:
-        """Serving, the pool present and its pods listed (with discovery), and the endpoints' first
-        scrape attempted."""
-        return self._ready and (self.discovery is None or (self.discovery.ready and self._pool_serving))
+        """What the readiness services answer (`epp.server.readiness`)."""
+        return self.readiness.is_ready()
 
     def _follow_endpoints(self) -> None:
         """Discovery changed the endpoint set: scrape and subscribe (or stop) now, not at the next tick."""
@@ -269,56 +264,6 @@ class EppServer:
     def _follow_rewrites(self, table: RewriteTable) -> None:
         """The InferenceModelRewrite rules changed: the director applies them from the next request."""
         self.director.model_rewrites = table
-
-    async def _become_ready(self) -> None:
-        """Readiness: once the pool has been listed (with discovery) and every endpoint has had its
-        first scrape attempt (at most the scrape timeout), so the staleness filter does not answer
-        429 for the first round after start."""
-        if self.discovery is not None:
-            await self.discovery.wait_synced()
-        if self.model_rewrites is not None:  # the first requests follow the rewrite rules that exist
-            await self.model_rewrites.wait_settled()
-        if self.scrape_round is not None:
-            done = await self.scrape_round.wait(set(self.datastore.ids()), self.settings.metrics_timeout)
-            self.scrape_round.finish()
-            if not done:
-                log.warning("ready before every endpoint's first metrics scrape ended (--metrics-timeout)")
-        # (the pool may have gone while the first scrapes ran: then the readiness services start NOT_SERVING)
-        pool = self.discovery is None or self.discovery.ready
-        for name in HEALTH_SERVICES:
-            serving = pool or name not in READINESS_SERVICES
-            status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if serving
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            await self.health.set(name, status)
-        self._ready = True
-        if self.discovery is not None:
-            await self._follow_pool(self.discovery, pool)
-
-    async def _follow_pool(self, watcher: PodTracker, ready: bool) -> None:
-        """As the reference EPP: the readiness services answer NOT_SERVING while the pool is deleted
-        (or being deleted), SERVING again once it exists, its pods are listed and their endpoints have had
-        a first scrape attempt (as at start); liveness stays. `ready`: what the readiness services answer
-        now."""
-        while True:
-            ready = await watcher.wait_ready_change(ready)
-            self._pool_serving = False  # (gone, or back but not yet scraped)
-            if ready and self.scrape_round is not None:
-                # Back: the pods' endpoints were re-added without metrics; as at start, wait (at most the
-                # scrape timeout) for their first scrape, or the staleness filter would answer 429.
-                self.scrape_round.begin()
-                fresh = {eid for eid in self.datastore.ids() if (r := self.datastore.get(eid)) and r.metrics}
-                await self.scrape_round.wait(set(self.datastore.ids()) - fresh, self.settings.metrics_timeout)
-                self.scrape_round.finish()
-                ready = watcher.ready  # (it may have gone again meanwhile)
-            self._pool_serving = ready
-            status = health_pb2.HealthCheckResponse.NOT_SERVING
-            if ready:
-                status = health_pb2.HealthCheckResponse.SERVING
-            for name in READINESS_SERVICES:
-                await self.health.set(name, status)
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         s = self.settings
@@ -374,8 +319,7 @@ class EppServer:
         self.grpc_health_port = _add_port(
             self._health_server, haddr, None, "gRPC health", "--grpc-health-port"
         )
-        for name in HEALTH_SERVICES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.readiness.starting()
         await self._grpc.start()
         await self._health_server.start()
         try:
@@ -390,9 +334,7 @@ class EppServer:
         if self.subscriber is not None:
             await self.subscriber.start()
         self._sources_started = True
-        # Alive now; ready once the pool and its pods have been listed and scraped (`_become_ready`).
-        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-        self._readiness = asyncio.create_task(self._become_ready(), name="epp-readiness")
+        await self.readiness.alive()  # alive now; ready once its conditions hold (`epp.server.readiness`)
         log.info(
             "EPP serving ext_proc on %s:%d (%s), health on %d, metrics on %d, %d endpoints",
             s.host,
@@ -404,10 +346,7 @@ class EppServer:
         )
 
     async def stop(self, grace: float = 1.0) -> None:
-        self._ready = False
-        self._pool_serving = True  # with discovery: the pool's readiness as last answered (`_follow_pool`)
-        if self._readiness is not None:
-            self._readiness.cancel()
+        self.readiness.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.model_rewrites is not None:

@@ -30,7 +30,7 @@ from epp.config import EppConfig, build_scheduler, parse_config
 from epp.config_sections import ConfigError
 from epp.docs_reference import exposed_metrics
 from epp.scheduling.builtin import default_registry
-from epp.server.app import HEALTH_SERVICES
+from epp.server.readiness import HEALTH_SERVICES
 from epp.testing.fakes import FakeClock
 from simulator.cli import build_parser as sim_parser
 from simulator.serving.command import config_from_args as sim_config_from_args
