@@ -18,6 +18,42 @@ from epp.testing.wait import http_ok
 from .stack import CHAT, eventually
 
 
+class Ports:
+    def __init__(self) -> None:
+        self.grpc, self.health, self.metrics = free_port(), free_port(), free_port()
+
+    def flags(self) -> list[str]:
+        return [
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(self.grpc),
+            "--grpc-health-port",
+            str(self.health),
+            "--metrics-port",
+            str(self.metrics),
+        ]
+
+
+async def serve(ports: Ports, *flags: str, **kw: object) -> asyncio.subprocess.Process:
+    """`python -m epp serve` on loopback, on `ports`."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "epp",
+        "serve",
+        *flags,
+        *ports.flags(),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def health_status(port: int, service: str) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service))
+        return int(resp.status)
+
+
 async def test_serve_process_routes_through_envoy_with_a_given_certificate(tmp_path: object) -> None:
     import pathlib
 
@@ -25,38 +61,17 @@ async def test_serve_process_routes_through_envoy_with_a_given_certificate(tmp_p
     crt, key = self_signed()
     (certs / "tls.crt").write_bytes(crt)
     (certs / "tls.key").write_bytes(key)
-    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    ports = Ports()
     async with FakeModelServer("pod-0") as backend:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "epp",
-            "serve",
-            "--endpoints",
-            backend.address,
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(grpc_port),
-            "--grpc-health-port",
-            str(health_port),
-            "--metrics-port",
-            str(metrics_port),
-            "--cert-path",
-            str(certs),
-            "--log-level",
-            "warning",
+        proc = await serve(
+            ports, "--endpoints", backend.address, "--cert-path", str(certs), "--log-level", "warning"
         )
         try:
             async with aiohttp.ClientSession() as s:
-                await http_ok(s, f"http://127.0.0.1:{metrics_port}/readyz", "epp serve ready", process=proc)
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:
-                    resp = await health_pb2_grpc.HealthStub(ch).Check(
-                        health_pb2.HealthCheckRequest(service="")
-                    )
-                    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                await http_ok(s, f"http://127.0.0.1:{ports.metrics}/readyz", "epp serve ready", process=proc)
+                assert await health_status(ports.health, "") == health_pb2.HealthCheckResponse.SERVING
                 await eventually(lambda: backend.metrics_scrapes > 0, "backend scraped")
-                async with EnvoyProcess(EnvoyConfig(epp_port=grpc_port, epp_tls=True)) as envoy:
+                async with EnvoyProcess(EnvoyConfig(epp_port=ports.grpc, epp_tls=True)) as envoy:
                     r = await s.post(f"{envoy.url}/v1/chat/completions", json=CHAT)
                     assert r.status == 200
                     assert r.headers["x-served-by"] == "pod-0"
@@ -72,17 +87,14 @@ async def test_serve_process_takes_the_reference_charts_flags(tmp_path: object) 
     scrapes the port `--model-server-metrics-port` names instead of the endpoint's own."""
     import json
 
-    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    ports = Ports()
     async with FakeModelServer("pod-0") as backend, FakeModelServer("exporter") as exporter:
         config = (
             "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
             f"endpoints:\n- address: {backend.address}\n"
         )
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "epp",
-            "serve",
+        proc = await serve(
+            ports,
             "--config-text",
             config,
             "--zap-encoder",
@@ -93,25 +105,14 @@ async def test_serve_process_takes_the_reference_charts_flags(tmp_path: object) 
             "--v=3",
             "--model-server-metrics-port",
             str(exporter.port),
-            "--host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(grpc_port),
-            "--grpc-health-port",
-            str(health_port),
-            "--metrics-port",
-            str(metrics_port),
             "--secure-serving=false",
             stderr=asyncio.subprocess.PIPE,
         )
         try:
             async with aiohttp.ClientSession() as s:
-                await http_ok(s, f"http://127.0.0.1:{metrics_port}/readyz", "epp serve ready", process=proc)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:
-                resp = await health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service="inference-extension")
-                )
-                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                await http_ok(s, f"http://127.0.0.1:{ports.metrics}/readyz", "epp serve ready", process=proc)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert await health_status(ports.health, "inference-extension") == serving
             await eventually(lambda: exporter.metrics_scrapes > 0, "the exporter port scraped")
             assert backend.metrics_scrapes == 0
         finally:
