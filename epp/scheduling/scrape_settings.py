@@ -43,15 +43,16 @@ def check_staleness_filters(
                     f"without fresh metrics: every request would get {answer}. Enable scraping or remove the "
                     "filter from the profile",
                 )
-            if plugin.max_age < interval:
+            if plugin.max_age <= interval:  # equal: just before each scrape lands, the last one is older
                 raise ConfigError(
                     source,
                     where,
                     "parameters.maxAge",
-                    f"maxAge {_seconds(plugin.max_age)} is below {flag} {_seconds(interval)}: "
-                    "endpoints' metrics would be older than maxAge for most of each interval, so the "
-                    f"filter drops them and requests get {answer}. Make maxAge at least the interval (a few "
-                    "intervals is safer) or scrape more often",
+                    f"maxAge {_seconds(plugin.max_age)} is not above {flag} {_seconds(interval)}: "
+                    "endpoints' metrics would be older than maxAge for part of each interval (a scrape "
+                    f"lands an interval after the last one, plus its own time), so the filter drops them "
+                    f"and requests get {answer}. Make maxAge more than the interval (a few intervals is "
+                    "safer) or scrape more often",
                 )
 
 
@@ -61,14 +62,14 @@ def check_saturation_threshold(
     """Raise ConfigError (naming both settings) when the saturation detector would count endpoints
     saturated (stale metrics) for most of each scrape interval: sheddable requests would be refused."""
     threshold = scheduler.saturation.metrics_staleness_threshold
-    if interval > 0 and threshold < interval:
+    if interval > 0 and threshold <= interval:
         raise ConfigError(
             source,
             "saturationDetector",
             "metricsStalenessThreshold",
-            f"{_seconds(threshold)} is below {flag} {_seconds(interval)}: endpoints would count as "
-            f"saturated (stale metrics) for most of each interval, so sheddable requests get {answer}. Make "
-            "metricsStalenessThreshold at least the interval or scrape more often",
+            f"{_seconds(threshold)} is not above {flag} {_seconds(interval)}: endpoints would count as "
+            f"saturated (stale metrics) for part of each interval, so sheddable requests get {answer}. Make "
+            "metricsStalenessThreshold more than the interval or scrape more often",
         )
 
 

@@ -45,9 +45,9 @@ def staleness(max_age: str, saturation: str = "200ms") -> EppConfig:
     ("cfg", "interval"),
     [
         (default_config(), 0.05),  # the shipped settings
-        (staleness("2s", saturation="2s"), 2.0),  # equal is enough
+        (staleness("2s", saturation="2s"), 1.99),  # just below both
         (parse_config(NO_FILTER, "n.yaml"), 0.0),  # no scraping and no filter: nothing goes stale
-        (staleness("2s", saturation="1s"), 1.0),
+        (staleness("2s", saturation="1s"), 0.999),
     ],
 )
 def test_consistent_scrape_settings_pass(cfg: EppConfig, interval: float) -> None:
@@ -70,7 +70,7 @@ def test_a_filter_threshold_below_the_interval_is_refused_naming_both() -> None:
         check_scrape_settings(cfg.source, scheduler(cfg), 0.5)
     e = err.value
     assert (e.where, e.field) == ("profile 'main': plugin 'fresh'", "parameters.maxAge")
-    assert "maxAge 100ms is below --refresh-metrics-interval 500ms" in e.message
+    assert "maxAge 100ms is not above --refresh-metrics-interval 500ms" in e.message
 
 
 def test_a_saturation_threshold_below_the_interval_is_refused_naming_both() -> None:
@@ -79,7 +79,7 @@ def test_a_saturation_threshold_below_the_interval_is_refused_naming_both() -> N
         check_scrape_settings(cfg.source, scheduler(cfg), 2.0)
     e = err.value
     assert (e.where, e.field) == ("saturationDetector", "metricsStalenessThreshold")
-    assert "200ms is below --refresh-metrics-interval 2s" in e.message
+    assert "200ms is not above --refresh-metrics-interval 2s" in e.message
     assert str(e).startswith("s.yaml: saturationDetector: field 'metricsStalenessThreshold'")
 
 
@@ -94,7 +94,7 @@ def test_serve_refuses_inconsistent_scrape_settings_before_listening(
     assert "--refresh-metrics-interval 0 disables metrics scraping" in err
     assert main([*args, "--refresh-metrics-interval", "5s"]) == 2
     err = capsys.readouterr().err
-    assert "maxAge 2s is below --refresh-metrics-interval 5s" in err
+    assert "maxAge 2s is not above --refresh-metrics-interval 5s" in err
 
 
 # -- 7. --max-body-size ----------------------------------------------------------------------------
@@ -244,3 +244,30 @@ def test_bad_values_under_either_name_are_refused(parameters: str, field: str) -
     with pytest.raises(ConfigError) as err:
         prefix_scorer(parameters)
     assert err.value.field == field
+
+
+def test_a_staleness_threshold_equal_to_the_scrape_interval_is_refused() -> None:
+    """Equal is not enough: just before each scrape lands, the last one is older than the interval."""
+    from epp.config import build_scheduler, parse_config
+    from epp.config_sections import ConfigError
+    from epp.scheduling.builtin import default_registry
+    from epp.scheduling.scrape_settings import check_scrape_settings
+
+    text = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins: [{type: metrics-staleness-filter, parameters: {maxAge: 100ms}}, {type: max-score-picker}]
+schedulingProfiles:
+- {name: p, plugins: [{pluginRef: metrics-staleness-filter}, {pluginRef: max-score-picker}]}
+"""
+    import random
+
+    from epp.clock import MonotonicClock
+
+    sched = build_scheduler(
+        parse_config(text, "c.yaml"), default_registry(), MonotonicClock(), random.Random(0)
+    )
+    with pytest.raises(ConfigError) as exc:
+        check_scrape_settings("c.yaml", sched, 0.1)
+    assert "maxAge 100ms is not above --refresh-metrics-interval 100ms" in str(exc.value)
+    check_scrape_settings("c.yaml", sched, 0.099)  # below: fine
