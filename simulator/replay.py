@@ -6,14 +6,14 @@ routing. `progress` is called once per finished or rejected request, across poli
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from epp.scheduling.scrape_settings import check_staleness_filters
 from simulator import policies
 from simulator.cluster import Cluster, ClusterConfig, build_router, computed_tokens
 from simulator.kernel import Kernel
-from simulator.results import Figures, RequestRecord, cache_bounds, summarize
+from simulator.results import COMPLETED, Figures, RequestRecord, cache_bounds, summarize
 from simulator.traces import TraceRequest
 
 
@@ -92,16 +92,27 @@ def assemble(
     runs: Sequence[PolicyRun], trace: Sequence[TraceRequest], cluster: ClusterConfig
 ) -> ReplayResult:
     """The result of policies' runs of one trace: their figures side by side, and the trace's bounds."""
+    capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1 + cluster.engine.cpu_blocks)
+
+    def bounds_of(requests: Sequence[TraceRequest]) -> dict[str, float]:
+        computed = ((r.prompt, computed_tokens(r)) for r in requests)  # answers' blocks count too
+        return cache_bounds(computed, cluster.engine.block_size, capacity)
+
+    bounds = bounds_of(trace)
     summary: dict[str, Figures] = {}
     for run in runs:
         figures = summarize(run.records, run.pods)
         picks = sum(run.modes.values())
         for mode in ("cache-aware", "degraded", "load-only"):  # share of picks; 0 for cache-blind policies
             figures[f"picks_{mode.replace('-', '_')}_rate"] = run.modes.get(mode, 0) / picks if picks else 0.0
+        # The bounds over the requests its hit rates are of: a policy that rejected some is measured on
+        # the rest, which the trace's bounds (over every request) do not bound.
+        done = [trace[r.index] for r in run.records if r.status == COMPLETED]
+        own: Mapping[str, float | None] = (
+            bounds if len(done) == len(trace) else bounds_of(done) if done else dict.fromkeys(bounds)
+        )
+        figures.update(own)
         summary[run.name] = figures
-    capacity = cluster.pods * (cluster.engine.num_gpu_blocks - 1 + cluster.engine.cpu_blocks)
-    computed = ((r.prompt, computed_tokens(r)) for r in trace)  # answers' blocks count too
-    bounds = cache_bounds(computed, cluster.engine.block_size, capacity)
     records = {run.name: run.records for run in runs}
     return ReplayResult(summary, records, bounds, {run.name: run.rejected for run in runs})
 

@@ -51,11 +51,12 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first (0 for single-token outputs)."""
+        """Time per output token after the first; None without one (a single-token output, as the summary
+        leaves such requests out of TPOT, as vLLM's benchmark does)."""
         if self.first_token_s is None or self.finished_s is None:
             return None
         if self.output_tokens <= 1:
-            return 0.0
+            return None
         return (self.finished_s - self.first_token_s) / (self.output_tokens - 1)
 
     def to_json(self) -> dict[str, object]:
@@ -136,8 +137,10 @@ def cache_bounds(
     block_size: int,
     capacity_blocks: int,
 ) -> dict[str, float]:
-    """Token hit rates no router can beat on this trace: one infinite shared cache (every full block
-    computed before is reused), and one LRU cache of the cluster's total capacity (`capacity_blocks`).
+    """Token hit rates to read a policy's against: one infinite shared cache (every full block computed
+    before is reused), which no router can beat over the same requests, and one LRU cache of the
+    cluster's total capacity (`capacity_blocks`), a practical reference but not a bound (an engine keeps
+    the blocks of a request while it runs, which this LRU may evict meanwhile, so a policy can beat it).
 
     `requests`, in arrival order: each one's prompt and the tokens an engine computes KV for when it
     serves it (the prompt, then the generated tokens it feeds back). Each prompt is looked up (full

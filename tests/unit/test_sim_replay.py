@@ -99,7 +99,7 @@ def test_the_cli_writes_results(tmp_path: pathlib.Path, capsys: pytest.CaptureFi
     )
     assert doc["meta"]["pods"] == 2 and doc["meta"]["seed"] == 1
     assert (out / "ttft_cdf.png").is_file() and (out / "records-ttft.jsonl").is_file()
-    assert "bounds: token hit rate" in capsys.readouterr().out
+    assert "token hit rate of one infinite shared cache (a bound)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -303,3 +303,30 @@ def test_rejected_requests_are_recorded_counted_and_reported_as_done() -> None:
         (len(t.prompt), 5) for t in trace
     ]  # asked for
     assert {r.status for r in result.records["random"]} == {"completed"}
+
+
+def test_a_policy_that_rejects_some_requests_is_read_against_the_bound_over_the_rest() -> None:
+    """Its hit rates are of the requests it completed; the trace's bound (over every request) does not
+    bound them, so its figures carry the bounds over those requests, and the table says so."""
+    from simulator.cluster import computed_tokens
+    from simulator.report import table
+    from simulator.results import cache_bounds
+
+    trace = shared_prefix(2, 6, system_tokens=200, question_tokens=20, output_tokens=5, rate=3.0, seed=1)
+    cfg = ClusterConfig(pods=2, engine=EngineConfig(num_gpu_blocks=256), scrape_interval=1000.0, seed=1)
+    result = replay(trace, ["ttft", "random"], cfg)  # ttft: metrics over 2 s old after the first scrape
+    ttft, rand = result.summary["ttft"], result.summary["random"]
+    done = [trace[r.index] for r in result.records["ttft"] if r.status == "completed"]
+    assert 0 < len(done) < len(trace)
+    capacity = 2 * (256 - 1)
+    own = cache_bounds(((r.prompt, computed_tokens(r)) for r in done), 16, capacity)
+    assert own != result.bounds
+    assert ttft["infinite_cache_token_hit_rate"] == own["infinite_cache_token_hit_rate"]
+    assert ttft["cluster_lru_token_hit_rate"] == own["cluster_lru_token_hit_rate"]
+    assert (
+        ttft["token_hit_rate"] is not None and ttft["token_hit_rate"] <= own["infinite_cache_token_hit_rate"]
+    )
+    assert {k: rand[k] for k in result.bounds} == result.bounds  # nothing rejected: the trace's
+    text = table(result.summary, result.bounds)
+    bound = own["infinite_cache_token_hit_rate"] * 100
+    assert f"one infinite shared cache over those: token hit rate {bound:.1f}%" in text

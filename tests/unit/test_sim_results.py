@@ -126,7 +126,7 @@ def test_report_writes_summary_records_and_plots(tmp_path: pathlib.Path) -> None
     assert len(pngs) == 2 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     text = report.table(summary, bounds)
     assert text.splitlines()[1].startswith("ttft") and "500.00" in text.splitlines()[1]
-    assert "infinite shared cache 60.0%" in text
+    assert "infinite shared cache (a bound) 60.0%" in text and "(a reference, not a bound) 40.0%" in text
 
 
 def test_tpot_is_null_when_no_completed_request_has_a_second_token() -> None:
@@ -183,3 +183,14 @@ def test_results_of_policies_not_in_the_run_are_removed(tmp_path: pathlib.Path) 
         out / "records-random.jsonl"
     ).read_text() != "earlier\n" and out / "records-random.jsonl" in written
     assert (out / "notes.txt").read_text() == "earlier\n" == (out / "records-old.json").read_text()
+
+
+def test_a_single_token_answer_has_no_tpot_in_its_record_as_in_the_summary() -> None:
+    """The records agree with the summary (which leaves such requests out of TPOT, as vLLM's benchmark
+    does): recomputing TPOT from the records gives the summary's figure."""
+    one = RequestRecord(0, 0.0, "p", 100, 0, 0, 1, 0.05, 0.05)
+    many = RequestRecord(1, 0.0, "p", 100, 0, 0, 11, 0.05, 0.15)
+    assert one.tpot_s is None and one.to_json()["tpot_s"] is None
+    assert many.tpot_s == pytest.approx(0.01)
+    figures = summarize([one, many], ["p"])
+    assert figures["tpot_mean_s"] == pytest.approx(0.01)
