@@ -164,6 +164,7 @@ class Cluster:
         self.cost, self.scheduler = router.cost, router.scheduler
         self.ingest = KvIngest(self.index, self.freshness, lambda pod: self.model)
         self.pods = [pod_address(i) for i in range(cluster.pods)]
+        self._inbox: deque[tuple[tuple[float, int, int], str, int, ScannedBatch]] = deque()  # see _receive
         self.engines: dict[str, Engine] = {}
         for pod in self.pods:
             self.datastore.add_endpoint(pod, self.model)
@@ -180,7 +181,6 @@ class Cluster:
         self.modes: Counter[str] = Counter()  # picks by mode (cache-aware, degraded, load-only)
         self._pending = -1  # requests of the trace not yet finished or rejected (-1: not started)
         self._arrivals_left = -1
-        self._inbox: deque[tuple[tuple[float, int, int], str, int, ScannedBatch]] = deque()  # see _receive
         self._scrape()
 
     @property
@@ -194,11 +194,12 @@ class Cluster:
         self._receive()
         if self._arrivals_left == 0 and self._pending > 0 and all(e.idle for e in self.engines.values()):
             raise RuntimeError(f"{self._pending} requests were routed but no engine is working on them")
+        record, misses = self.datastore.record_metrics, self.freshness.engine_misses
         for pod, engine in self.engines.items():
             m = engine.metrics()
-            self.datastore.record_metrics(pod, m)
+            record(pod, m)
             # as the server's subscriber does: misses rising without events make a pod stale
-            self.freshness.engine_misses(pod, (m.prefix_cache_queries or 0.0) - (m.prefix_cache_hits or 0.0))
+            misses(pod, (m.prefix_cache_queries or 0.0) - (m.prefix_cache_hits or 0.0))
         if self._done():
             return
         k, interval = self.kernel, self.cfg.scrape_interval
@@ -221,12 +222,15 @@ class Cluster:
         return all(e.idle and not e.waiting and not e.running for e in self.engines.values())
 
     def _publisher(self, pod: str) -> Callable[[int, ScannedBatch, float], None]:
+        oracle, loss, delay = self.oracle, self.cfg.event_loss, self.cfg.event_delay
+        key, inbox = self.kernel.key, self._inbox
+
         def publish(seq: int, payload: ScannedBatch, at: float) -> None:
-            if not self.oracle:
-                if self.cfg.event_loss and self._rng.random() < self.cfg.event_loss:
+            if not oracle:
+                if loss and self._rng.random() < loss:
                     return
-                if self.cfg.event_delay > 0:
-                    self._inbox.append((self.kernel.key(self.cfg.event_delay), pod, seq, payload))
+                if delay > 0:
+                    inbox.append((key(delay), pod, seq, payload))
                     return
             self._deliver(pod, seq, payload, self.kernel.now())
 
@@ -239,9 +243,11 @@ class Cluster:
         inbox = self._inbox
         if inbox:
             current = self.kernel.current()
+            on_live, model = self.ingest.on_live, self.model  # (`_deliver`, inlined)
             while inbox and inbox[0][0] < current:
                 key, pod, seq, payload = inbox.popleft()
-                self._deliver(pod, seq, payload, key[0])
+                now = key[0]
+                on_live(pod, 0, seq, payload, now, model, now)
 
     def _deliver(self, pod: str, seq: int, payload: ScannedBatch, now: float) -> None:
         """As the server's subscriber does: received at `now`; the lag is measured against the batch's ts."""

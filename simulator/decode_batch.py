@@ -53,23 +53,35 @@ class DecodeBatch:
     def start(self, s: int, grow: Grow) -> None:
         """Step s starts: the decoding requests whose token starts a block in it take one (`grow`, which may
         preempt), those whose token fills one cache it; the bounds of past steps are dropped."""
-        wakes = self._starts.pop(s, None)
-        if wakes:
-            for r, epoch in wakes:
-                if r.epoch == epoch and r.phase == DECODE:
-                    self._wake_up(r, s, grow)
+        starts = self._starts
         bounds = self.bounds
+        push = heapq.heappush
+        wakes = starts.pop(s, None)
+        if wakes:
+            bs = self.block_size
+            last = bs - 1
+            cache_full = self._kv.cache_full
+            for r, epoch in wakes:
+                if r.epoch != epoch or r.phase != DECODE:
+                    continue
+                c = r.c0 + s - r.s0  # the position r computes in step s
+                m = c % bs
+                if m == 0 and not grow(r, c + 1, s):
+                    continue
+                if m == last:
+                    cache_full(r, c + 1)
+                # `wake(r, s + 1)`, inlined (this loop is a good part of an engine's time)
+                m = (m + 1) % bs
+                w = s + 1 + last - m if m and m != last else s + 1
+                if w <= r.s_fin:
+                    wake = starts.get(w)
+                    if wake is None:
+                        starts[w] = [(r, r.epoch)]
+                    else:
+                        wake.append((r, r.epoch))
+                    push(bounds, w - 1)
         while bounds and bounds[0] < s:
             heapq.heappop(bounds)
-
-    def _wake_up(self, r: ReqState, s: int, grow: Grow) -> None:
-        c = r.c0 + s - r.s0  # the position r computes in step s
-        bs = self.block_size
-        if c % bs == 0 and not grow(r, c + 1, s):
-            return
-        if (c + 1) % bs == 0:
-            self._kv.cache_full(r, c + 1)
-        self.wake(r, s + 1)
 
     def wake(self, r: ReqState, s: int) -> None:
         """Look at decoding r again in the first step from `s` where it starts or fills a block."""

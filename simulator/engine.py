@@ -307,8 +307,9 @@ class Engine:
             if done is None:
                 done = []
             self._end_prefills(s, now, done)
-        if self.sink is not None:
-            self.sink.flush(now)
+        sink = self.sink
+        if sink is not None and sink.dirty:
+            sink.flush(now)
         self._take_stats()
         if done:
             for callback, rec in done:
@@ -358,6 +359,14 @@ class Engine:
         waiting = self.waiting
         holding = self._loads.holding  # (loading: vLLM counts WAITING_FOR_REMOTE_KVS as waiting)
         sched = self._sched
+        if not self._loras:  # `StepStats.take` without the adapters (a stats per step: inlined)
+            stats = self.stats
+            stats.waiting = len(holding) + len(waiting) - len(self._arrivals)
+            stats.running = len(self.running)
+            stats.used = self.pool.num_blocks - 1 - self.pool.num_free
+            stats.queries = sched.prefix_cache_queries
+            stats.hits = sched.prefix_cache_hits
+            return
         self.stats.take(
             chain(holding, waiting) if holding else waiting,
             len(holding) + len(waiting) - len(self._arrivals),

@@ -38,7 +38,17 @@ CPU = "CPU"
 
 
 class EventSink:
-    __slots__ = ("block_size", "decoded", "dp_rank", "events", "on_batches", "on_events", "published", "seq")
+    __slots__ = (
+        "block_size",
+        "decoded",
+        "dirty",
+        "dp_rank",
+        "events",
+        "on_batches",
+        "on_events",
+        "published",
+        "seq",
+    )
 
     def __init__(
         self,
@@ -59,6 +69,7 @@ class EventSink:
         self.events: list[Any] = []
         self.seq = 0
         self.published = 0  # events
+        self.dirty = False  # an event was added since the last flush (`flush` returns at once while not)
 
     def stored(
         self,
@@ -69,6 +80,7 @@ class EventSink:
         lora_name: str | None,
         cache_salt: str | None,
     ) -> None:
+        self.dirty = True
         if self.decoded is not None:
             self.decoded.stored(hashes, parent, token_ids, self.block_size, medium, lora_name, cache_salt)
             return
@@ -95,6 +107,7 @@ class EventSink:
 
     def cleared(self) -> None:
         """`AllBlocksCleared`: the engine reset its prefix cache."""
+        self.dirty = True
         if self.decoded is not None:
             self.decoded.cleared()
             return
@@ -102,19 +115,24 @@ class EventSink:
 
     def removed(self, hashes: list[int], medium: str) -> None:
         """One `BlockRemoved` per hash, in order."""
+        self.dirty = True
         if self.decoded is not None:
             self.decoded.removed(hashes, medium)
             return
         self.events.extend([BlockRemoved([h], medium) for h in hashes])
 
     def flush(self, at: float) -> None:
+        if not self.dirty:
+            return
+        self.dirty = False
         decoded = self.decoded
         seq = self.seq
         if decoded is not None:
-            if not decoded:
+            n = len(decoded)
+            if not n:
                 return
             self.seq = seq + 1
-            self.published += len(decoded)
+            self.published += n
             on_batches = self.on_batches
             assert on_batches is not None  # (it made `decoded`)
             on_batches(seq, decoded.take(at, self.dp_rank), at)

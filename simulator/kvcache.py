@@ -230,7 +230,11 @@ class KvCacheManager:
             b, lost = pool.allocate_one()
             r.table[at] = b
             if lost is not None:
-                self._evicted(np.array((b,), dtype=np.int64), [lost])
+                if self.cpu is None:  # (`_evicted` without its block array)
+                    if self.sink is not None:
+                        self.sink.removed([lost], GPU)
+                else:
+                    self._evicted(np.array((b,), dtype=np.int64), [lost])
         elif need:
             ids, evicted, ev_hashes = pool.allocate(need)
             r.table[at : at + need] = ids

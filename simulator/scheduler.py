@@ -171,6 +171,12 @@ class Scheduler:
         """Blocks for r's first `upto` tokens, preempting the newest running requests if needed; False
         when r itself was preempted."""
         kv = self._kv
+        need = -(-upto // kv.block_size) - r.nblocks  # (`kv.grow`'s fast paths, inlined)
+        if need <= 0:
+            return True
+        if need <= kv.pool.num_free:
+            kv._take(r, need)
+            return True
         while not kv.grow(r, upto):
             victim = self.running[next(reversed(self.running))]
             self._preempt(victim, s)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from epp.clock import Clock
+from epp.frozen import twin
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
 # Well-known CycleState keys the scheduler reads after a profile ran.
@@ -68,6 +69,16 @@ class Scorer(Plugin, Protocol):
 class ScoredEndpoint:
     endpoint: Endpoint
     score: float
+
+
+_ScoredTwin = twin(ScoredEndpoint)
+
+
+def scored_endpoint(endpoint: Endpoint, score: float) -> ScoredEndpoint:
+    """`ScoredEndpoint(endpoint, score)`, built 3x faster (`epp/frozen.py`): one per candidate per request."""
+    s = _ScoredTwin(endpoint, score)
+    s.__class__ = ScoredEndpoint
+    return s  # type: ignore[no-any-return]
 
 
 @runtime_checkable

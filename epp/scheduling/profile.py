@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from epp.clock import Clock
 from epp.scheduling.errors import AllFilteredError
-from epp.scheduling.framework import CycleState, Filter, Picker, PostPick, ScoredEndpoint, Scorer
+from epp.scheduling.framework import CycleState, Filter, Picker, PostPick, Scorer, scored_endpoint
 from epp.types import Endpoint, EndpointId, InferenceRequest
 
 PluginTiming = tuple[str, str, str, float]
@@ -93,7 +93,7 @@ class SchedulerProfile:
             for i, s in enumerate(scores):
                 # clamp to [0, 1]; NaN counts as 0 (inlined: this is the hot loop)
                 totals[i] += (1.0 if s > 1.0 else s if s >= 0.0 else 0.0) * w
-        scored = [ScoredEndpoint(ep, totals[i]) for i, ep in enumerate(current)]
+        scored = [scored_endpoint(ep, total) for ep, total in zip(current, totals, strict=True)]
         t0 = timer.now() if timer else 0.0
         picked = self.picker.pick(state, request, scored)
         if timer and timings is not None:

@@ -113,15 +113,21 @@ class TtftScorer:
         if not pods or len(keys) == 0:
             return tokens, {}
         order = ["gpu", *self.cost.tier_order(request.model)]
-        at = {e.id: i for i, e in enumerate(endpoints)}
+        at: dict[str, int] | None = None  # endpoint id -> its column (made when needed)
         if len(pods) == len(endpoints):
-            runs = kv.index.lookup_tier_runs(keys, [e.id for e in endpoints], order)
+            runs = kv.index.lookup_tier_runs(keys, pods, order)  # (pods: every candidate, in order)
         else:  # stale candidates: no credit
+            at = {e.id: i for i, e in enumerate(endpoints)}
             runs = np.zeros((len(order), len(endpoints)), dtype=np.int64)
             runs[:, [at[p] for p in pods]] = kv.index.lookup_tier_runs(keys, pods, order)
         if self.speculative is not None:  # (each row is a union of tiers that includes the GPU)
-            for pod, blocks in self.speculative.prefix(prompt_key_list(state, keys), pods, state.now).items():
-                np.maximum(runs[:, at[pod]], blocks, out=runs[:, at[pod]])
+            held = self.speculative.prefix(prompt_key_list(state, keys), pods, state.now)
+            if held:
+                if at is None:
+                    at = {e.id: i for i, e in enumerate(endpoints)}
+                for pod, blocks in held.items():
+                    column = runs[:, at[pod]]
+                    np.maximum(column, blocks, out=column)
         bs = kv.block_size
         if request.batch_tokens:  # the estimate's cap (the last prompt token computed) is the first item's
             np.minimum(runs, max(first - 1, 0) // bs, out=runs)
@@ -185,7 +191,7 @@ class TtftScorer:
         the prefill the copy adds (the profile's, not calibrated: docs/ttft-picker.md) x `copyWeight` x
         min(u / (1 - u), 2), u the KV usage of the pod the copy would go to (0 without metrics); None
         (nothing) while no candidate's KV is in use."""
-        own = np.clip(usage, 0.0, _FULL_PRESSURE_AT)
+        own = np.minimum(np.maximum(usage, 0.0), _FULL_PRESSURE_AT)  # (np.clip's, without its overhead)
         if not own.any():
             return None
         nominal = table.prefill_nominal
