@@ -130,6 +130,31 @@ def remove_all(keys: Any, vals: Any, hashes: Any) -> None:  # pragma: no cover -
 
 
 @numba.njit(cache=True, nogil=True)
+def put_block(  # pragma: no cover - compiled
+    keys: Any, vals: Any, block_hash: Any, hashed: Any, values: Any, k: int, b: int
+) -> Any:
+    """Block `b` now holds hash values[k]: noted (block_hash, hashed), then `put`. One call where the
+    pool's single-block path (a decode filling a block) made four."""
+    h = values[k]
+    block_hash[b] = h
+    hashed[b] = True
+    i = _find(keys, vals, h)
+    if i >= 0:
+        return vals[i]
+    i = -1 - i
+    keys[i] = h
+    vals[i] = b
+    return b
+
+
+@numba.njit(cache=True, nogil=True)
+def drop_block(keys: Any, vals: Any, block_hash: Any, hashed: Any, b: int) -> None:  # pragma: no cover
+    """Block `b` (hashed, the only copy of its hash) forgets its hash: unhashed, then `remove`."""
+    hashed[b] = False
+    remove(keys, vals, block_hash[b])
+
+
+@numba.njit(cache=True, nogil=True)
 def set_block(keys: Any, vals: Any, h: Any, b: int) -> None:  # pragma: no cover - compiled
     """Point mapped `h` to block `b`."""
     vals[_find(keys, vals, numba.uint64(h))] = b
@@ -147,3 +172,6 @@ def warm_up() -> None:
     get(keys, vals, 9)
     remove(keys, vals, 9)
     remove_all(keys, vals, h)
+    hashes, hashed = np.zeros(2, dtype=np.uint64), np.zeros(2, dtype=np.bool_)
+    put_block(keys, vals, hashes, hashed, h, 0, 1)
+    drop_block(keys, vals, hashes, hashed, 1)

@@ -133,6 +133,12 @@ class BlockPool:
         if first != b:
             self._another_copy(h, first, b)
 
+    def cache_at(self, b: int, values: npt.NDArray[np.uint64], k: int) -> None:
+        """`cache_one(b, values[k])` in one compiled call."""
+        first = block_map.put_block(self._keys, self._vals, self.hash, self.hashed, values, k, b)
+        if first != b:
+            self._another_copy(values.item(k), first, b)
+
     def _another_copy(self, h: int, first: int, b: int) -> None:
         """Block `b` holds `h` too; lookups keep using `first`, the copy cached first."""
         copies = self.dups.get(h)
@@ -143,8 +149,11 @@ class BlockPool:
 
     def _uncache_one(self, b: int) -> int:
         h: int = self.hash.item(b)
-        self.hashed[b] = False
-        self._unmap(h, b)
+        if self.dups:
+            self.hashed[b] = False
+            self._unmap(h, b)
+        else:  # (no second copy of anything: `_unmap` removes it from the map)
+            block_map.drop_block(self._keys, self._vals, self.hash, self.hashed, b)
         return h
 
     def _unmap(self, h: int, b: int) -> None:

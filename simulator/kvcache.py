@@ -252,8 +252,7 @@ class KvCacheManager:
         sink = self.sink
         if b - a == 1:  # a decode filling a block: scalar operations
             blk: int = r.table.item(a)
-            h: int = r.values.item(a)
-            self.pool.cache_one(blk, h)
+            self.pool.cache_at(blk, r.values, a)
             if self.cpu is not None:
                 self._btag[blk] = r.tag
                 self._btok[blk] = r.tokens[a * bs : b * bs]
@@ -261,7 +260,8 @@ class KvCacheManager:
                 self._bparent[blk] = r.values.item(a - 1) if a else 0
             if sink is not None:
                 parent = r.values.item(a - 1) if a else None
-                sink.stored([h], parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt)
+                tokens = r.tokens[a * bs : b * bs].tolist()
+                sink.stored([r.values.item(a)], parent, tokens, GPU, r.lora, r.salt)
             return
         ids = r.table[a:b]
         self.pool.cache(ids, r.values[a:b])

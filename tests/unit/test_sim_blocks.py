@@ -319,3 +319,33 @@ def test_the_compiled_hash_map_agrees_with_a_dict_at_high_load(seed: int, tiny: 
     stop = len(ref) if (2**64 - 1) not in ref else len(probe)
     assert block_map.run(keys, vals, probe, len(probe), out) == stop
     assert out[: len(ref)].tolist() == list(ref.values())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**32))
+def test_the_single_block_compiled_paths_agree_with_put_and_remove(seed: int) -> None:
+    """`put_block` / `drop_block` (the pool's one-call paths for a decode filling a block and an eviction)
+    leave the map and the block arrays as `put` / `remove` and the Python bookkeeping they replace do."""
+    rng = random.Random(seed)
+    keys, vals = block_map.new_map(8)
+    rkeys, rvals = block_map.new_map(8)
+    block_hash, hashed = np.zeros(16, dtype=np.uint64), np.zeros(16, dtype=np.bool_)
+    rhash, rhashed = block_hash.copy(), hashed.copy()
+    for _ in range(200):
+        mapped = [b for b in range(1, 16) if hashed[b] and block_map.get(keys, vals, block_hash[b]) == b]
+        if rng.random() < 0.6 or not mapped:
+            b = rng.randrange(1, 16)
+            if hashed[b]:
+                continue
+            h = rng.randrange(8) if rng.random() < 0.5 else rng.getrandbits(64)
+            values = np.array([h], dtype=np.uint64)
+            got = block_map.put_block(keys, vals, block_hash, hashed, values, 0, b)
+            rhash[b], rhashed[b] = values[0], True
+            assert got == block_map.put(rkeys, rvals, values[0], b)
+        else:
+            b = rng.choice(mapped)
+            block_map.drop_block(keys, vals, block_hash, hashed, b)
+            rhashed[b] = False
+            block_map.remove(rkeys, rvals, rhash[b])
+        assert keys.tolist() == rkeys.tolist() and vals.tolist() == rvals.tolist()
+        assert block_hash.tolist() == rhash.tolist() and hashed.tolist() == rhashed.tolist()
