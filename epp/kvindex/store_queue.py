@@ -100,14 +100,16 @@ class IndexQueue:
         engine block size block_sizes[e]. The same as `store` for each, in order; returns how many were
         orphans. A run whose events all chain from known blocks is queued in one pass (`_queue_run`).
         `hash_array`: the same hashes as a uint64 array (the compiled scan has it), queued as it is
-        instead of converting `hashes` at the flush; kept by reference until then."""
+        instead of converting `hashes` at the flush; kept by reference until then. With it, `hashes` are
+        taken as unsigned (the array's values), not checked for signed ones."""
         if not len(parents) == len(hashes_per_event) == len(tokens_per_event) == len(block_sizes):
             raise ValueError("store_run: parents and the per-event counts and sizes differ in length")
         if sum(hashes_per_event) != len(hashes) or sum(tokens_per_event) != len(tokens):
             raise ValueError("store_run: the per-event counts do not add up to the hashes and tokens given")
         if hash_array is not None and (hash_array.dtype != np.uint64 or hash_array.shape != (len(hashes),)):
             raise ValueError("store_run: hash_array is not the hashes' uint64 array")
-        hashes = unsigned(hashes)
+        if hash_array is None:  # (with the array, the hashes are its values: unsigned already)
+            hashes = unsigned(hashes)
         if any(p is not None and p < 0 for p in parents):
             parents = [unsigned_parent(p) for p in parents]
         pid, tid = self._ids(pod, tier)

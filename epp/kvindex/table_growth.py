@@ -137,7 +137,7 @@ def split(table: HashTable) -> None:
             table.keys, table.tags, table.count, src, dest, left,
         )  # fmt: skip
         for name, col in table.cols.items():
-            col[dest[:moved]] = old_cols[name][src[:moved]]
+            loops.move_rows(col, old_cols[name], src, dest, moved)
         table.size += moved
         if nleft:
             rest.append(left[:nleft].copy())

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from epp.kvindex import cuckoo
 from epp.kvindex import probe as probe_module
 from epp.kvindex.holdings import CHUNK_BITS
 from epp.kvindex.index import BlockIndex
@@ -221,3 +222,49 @@ def test_masks_match_a_per_key_lookup() -> None:
         assert res.get("any", 0) == int(np.cumprod(bits).sum())
     assert h.masks(keys, [], tiers).shape == (len(tiers), 0, len(keys))
     assert h.masks(keys[:0], [0], tiers).shape == (len(tiers), 1, 0)
+
+
+def _numpy_move_rows(new: Any, old: Any, src: Any, dest: Any, moved: int) -> None:
+    """What `table_growth.split` did before `cuckoo.move_rows`: numpy's fancy indexing."""
+    new[dest[:moved]] = old[src[:moved]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_split_moves_the_columns_as_numpy_fancy_indexing_does(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tables grown from empty by doubling (`table_growth.split`, roomy) hold the same keys, tags and
+    column values in the same slots whether the compiled loop or numpy moves the columns."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, 2**64 - 1, size=20_000, dtype=np.uint64)
+    tags = rng.integers(0, 50, size=len(keys)).astype(np.uint16)
+    values = {
+        "state": rng.integers(0, 2**64 - 1, size=len(keys), dtype=np.uint64),
+        "info": rng.integers(0, 2**32 - 1, size=len(keys), dtype=np.uint64).astype(np.uint32),
+    }
+
+    def grown() -> HashTable:
+        table = HashTable(np.uint16, {"state": (np.uint64, 0), "info": (np.uint32, 0)}, roomy_until=1 << 20)
+        table.add_column("s0", np.uint32, 0xFFFFFFFF)
+        for lo in range(0, len(keys), 700):
+            chunk = {name: col[lo : lo + 700] for name, col in values.items()}
+            chunk["s0"] = (np.arange(lo, min(lo + 700, len(keys))) * 3).astype(np.uint32)
+            table.upsert(keys[lo : lo + 700], tags[lo : lo + 700], chunk)
+        return table
+
+    compiled = grown()
+    with monkeypatch.context() as m:
+        m.setattr(cuckoo, "move_rows", _numpy_move_rows)
+        reference = grown()
+    assert compiled.nb == reference.nb > 16 and compiled.size == reference.size == len(keys)
+    for a, b in [
+        (compiled.keys, reference.keys),
+        (compiled.tags, reference.tags),
+        (compiled.count, reference.count),
+    ]:
+        np.testing.assert_array_equal(a, b)
+    for name in ("state", "info", "s0"):
+        np.testing.assert_array_equal(compiled.cols[name], reference.cols[name])
+    slots = compiled.find(keys, tags)
+    assert (slots >= 0).all()
+    np.testing.assert_array_equal(compiled.cols["state"][slots], values["state"])
