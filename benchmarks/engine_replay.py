@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import pathlib
 import statistics
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from simulator import request_lines
 from simulator.engine_replay import engine_replay, parse_requests, run

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import pathlib
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import msgspec
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.kvindex.batch_reader import decode
 from epp.kvindex.events import decode_batch

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import pathlib
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pathlib
 import resource
 import statistics
 import subprocess
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import msgspec
 import zmq
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_decode import BLOCK_EVENTS_PER_BATCH, held_after, make_batches, measure

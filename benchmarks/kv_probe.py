@@ -16,6 +16,7 @@ calls (the same index and keys for every case; the cases are interleaved round b
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.kvindex.index import BlockIndex
 

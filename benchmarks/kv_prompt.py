@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import pathlib
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex

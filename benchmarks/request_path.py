@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import random
 import statistics
+import sys
 import time
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.clock import MonotonicClock
 from epp.config import build_scheduler, default_config

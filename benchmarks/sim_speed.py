@@ -16,7 +16,11 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from simulator import policies
 from simulator.cluster import Cluster, ClusterConfig

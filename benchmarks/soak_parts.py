@@ -21,9 +21,13 @@ Failure classes (see `classify`; BENCHMARKS.md "Soak" explains them too):
 from __future__ import annotations
 
 import math
+import pathlib
 import random
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.demo.workload import CHARS_PER_TOKEN, Session, messages
 from epp.testing.tokenizer import generated_text

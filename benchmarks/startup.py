@@ -23,6 +23,9 @@ from pathlib import Path
 
 SEEDED = """
 import os
+import pathlib
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
+
 from epp.server.numba_cache import seed_cache
 from epp.kvindex import compiled
 seed_cache(os.environ)

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import pathlib
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.server.ext_proc_wire import echo  # the same answer shape as the EPP's
 

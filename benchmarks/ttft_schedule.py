@@ -19,12 +19,16 @@ Every pod is fresh and has scraped load and a prefill backlog. Reported, each as
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
 from epp.config import build_scheduler, default_config
 from epp.costmodel.service import SERVICE_KEY as COST_KEY
