@@ -457,7 +457,9 @@ def test_the_tokenizer_flag_replaces_the_directory_and_keeps_the_settings(tmp_pa
         "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
         "tokenizers:\n  m: {path: /old, defaultChatTemplateKwargs: {enable_thinking: false}}\n  n: /n-old\n"
     )
-    args = argparse.Namespace(config=str(config), tokenizer=[("m", "/new"), ("n", "/n-new"), ("o", "/o")])
+    args = argparse.Namespace(
+        config=str(config), config_text=None, tokenizer=[("m", "/new"), ("n", "/n-new"), ("o", "/o")]
+    )
     for name in (
         "kv_events_mode",
         "kv_events_port",
