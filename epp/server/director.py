@@ -219,8 +219,10 @@ class Director:
         t0 = self.clock.now()
         result = self.scheduler.schedule(request, candidates)
         t1 = self.clock.now()
-        if request.tokens is not None:  # used: not kept for the response's lifetime
-            request = dataclasses.replace(request, tokens=None)
+        # Scheduled: its prompt (token ids, messages, chat options: up to ~15x the body once parsed) is not
+        # kept for the response's lifetime; what accounting and metrics read stays.
+        if request.tokens is not None or request.prompt is not None or request.messages is not None:
+            request = dataclasses.replace(request, tokens=None, prompt=None, messages=None, chat=None)
         m = self.metrics
         m.scheduler_duration.observe(t1 - t0)
         for point, ptype, pname, seconds in result.timings:

@@ -229,7 +229,7 @@ class RequestStream:
         self.routed = routed
         dest = ",".join(routed.decision.endpoints)
         metadata = lb_metadata(dest)
-        new_body = routed.body
+        new_body, routed.body = routed.body, None  # sent below; not kept for the response's lifetime
         # A request that came without an x-request-id gets the one the EPP generated (epp/requests.py), as
         # in the reference (llm-d/llm-d-router pkg/epp/handlers/server.go, request.go `generateHeaders`).
         request = routed.request

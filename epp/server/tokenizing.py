@@ -92,6 +92,12 @@ class PromptTokenizing:
 
 
 def _renders_json(request: InferenceRequest) -> bool:
-    """Whether the chat template is given JSON values to render (tools, documents)."""
+    """Whether the chat template is given JSON values to render: tools, documents, or any list or object
+    in `chat_template_kwargs` (where a client may pass `tools` too, which vLLM's templates read alike)."""
     chat = request.chat
-    return chat is not None and bool(chat.tools or chat.documents)
+    if chat is None:
+        return False
+    if chat.tools or chat.documents:
+        return True
+    kwargs = chat.chat_template_kwargs
+    return bool(kwargs) and any(isinstance(v, (list, dict)) for v in kwargs.values())

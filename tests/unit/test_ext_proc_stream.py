@@ -437,3 +437,22 @@ def test_the_bodies_all_streams_hold_share_one_budget() -> None:
     buffered.close()
     with pytest.raises(ValueError, match="budget"):
         BodyBudget(0)
+
+
+def test_a_routed_request_keeps_neither_its_prompt_nor_its_new_body() -> None:
+    """Once routed, what the response's lifetime needs stays (model, counts, the decision) and the parsed
+    prompt and the re-encoded body go: a large chat is not held in memory until its response ends."""
+    salter = TenantSalter("x-tenant-id", b"s" * 32)
+    s = RequestStream(director(tenancy=salter), 1 << 30)
+    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y"}] * 5000}).encode()
+    s.on_message(headers(mode=BUFFERED))
+    [resp] = s.on_message(body(big, True))
+    sent = resp.request_body.response.body_mutation.body
+    assert json.loads(sent)["cache_salt"] == salter.salt("")  # the new body went to Envoy
+    routed = s.routed
+    assert routed is not None and routed.body is None
+    req = routed.request
+    assert req.messages is None and req.prompt is None and req.chat is None and req.tokens is None
+    assert req.model == "m" and req.prompt_tokens_estimate > 0
+    s.close()
+    assert s.director.datastore.total_in_flight() == 0

@@ -96,6 +96,11 @@ def test_a_short_chat_with_tools_or_documents_goes_to_the_worker(tok_dir: Path) 
         for options in (ChatOptions(tools=[tool]), ChatOptions(documents=[{"text": "d"}])):
             assert to_worker(t, dataclasses.replace(plain, chat=options))
         assert not to_worker(t, dataclasses.replace(plain, chat=ChatOptions(tools=[])))  # (no JSON to render)
+        # the same JSON passed in chat_template_kwargs (templates read `tools` there alike): the worker too
+        via_kwargs = ChatOptions(chat_template_kwargs={"tools": [tool]})
+        assert to_worker(t, dataclasses.replace(plain, chat=via_kwargs))
+        flags = ChatOptions(chat_template_kwargs={"enable_thinking": False})  # scalars: nothing to render
+        assert not to_worker(t, dataclasses.replace(plain, chat=flags))
     finally:
         t.close()
 
@@ -412,7 +417,9 @@ async def test_the_scorers_use_the_workers_ids_and_the_routed_request_does_not_k
     monkeypatch.setattr(PromptTokenizer, "encode_text", on_the_loop)
     routed = d.route_parsed(ParsedRequest(request, None))
     assert routed.decision.primary == PODS[1]
-    assert routed.request.tokens is None and routed.request.messages == messages
+    # scheduled: the prompt is not kept for the response's lifetime (the model and counts are)
+    assert routed.request.tokens is None and routed.request.messages is None
+    assert routed.request.model == "m" and routed.request.prompt_tokens_estimate > 0
     d.tokenizing.close()
 
 
