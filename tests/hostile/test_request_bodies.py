@@ -403,8 +403,10 @@ def directors(tokenizer_dir: pathlib.Path) -> Iterator[dict[str, Director]]:
 
 
 def route(d: Director, headers: dict[str, str], raw: bytes) -> InferenceRequest | RequestError:
+    """The parsed request (as scheduled: a routed request keeps no prompt), or the 4xx it got."""
     try:
-        routed = d.route(headers, raw)
+        parsed = d.parse(headers, raw)
+        routed = d.route_parsed(parsed)
     except RequestError as err:
         assert 400 <= err.status < 500 and err.message
         assert d.datastore.total_in_flight() == 0
@@ -415,7 +417,7 @@ def route(d: Director, headers: dict[str, str], raw: bytes) -> InferenceRequest 
         assert msgspec.json.decode(routed.body)["cache_salt"] == d.tenancy.salt("acme")
     d.finish(routed, "complete")
     assert d.datastore.total_in_flight() == 0
-    return routed.request
+    return parsed.request
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
