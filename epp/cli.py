@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1GiB: size it below the memory limit)",
     )
     s.add_argument(
+        "--request-body-timeout",
+        type=_duration,
+        default=60.0,
+        help="a request body not complete this long after its headers is refused (408) and what it held "
+        "is freed for other requests (default 60s; 0: no limit)",
+    )
+    s.add_argument(
         "--shutdown-grace",
         type=_duration,
         default=1.0,
@@ -290,6 +297,7 @@ async def _serve(
         unhealthy_after_failures=args.unhealthy_after,
         max_body_bytes=args.max_body_size,
         max_buffered_body_bytes=args.max_buffered_body_size,
+        request_body_timeout=args.request_body_timeout,
         pool_name=args.pool_name or "default",
         seed=args.seed,
         debug_endpoints=args.enable_debug_endpoints,

@@ -72,6 +72,7 @@ class ServerSettings:
     unhealthy_after_failures: int = 3
     max_body_bytes: int = 32 * 1024 * 1024
     max_buffered_body_bytes: int = 1024 * 1024 * 1024  # all streams' request bodies at once
+    request_body_timeout: float = 60.0  # seconds from a request's headers for its body to complete; 0: none
     pool_name: str = "default"
     seed: int | None = None
     debug_endpoints: bool = True
@@ -220,6 +221,7 @@ class EppServer:
                     settings.discovery, self._follow_rewrites, observer=self.metrics
                 )
         self._sources_started = False
+        self.body_budget = BodyBudget(settings.max_buffered_body_bytes)  # request bodies of all streams
         self.readiness = Readiness(
             self.health,
             self.datastore,
@@ -309,7 +311,8 @@ class EppServer:
         creds = self._credentials()
         self._grpc = grpc.aio.server(options=_GRPC_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcService(self.director, s.max_body_bytes, BodyBudget(s.max_buffered_body_bytes)), self._grpc
+            ExtProcService(self.director, s.max_body_bytes, self.body_budget, s.request_body_timeout),
+            self._grpc,
         )
         addr = f"{s.host}:{s.grpc_port}"
         self.grpc_port = _add_port(self._grpc, addr, creds, "ext_proc gRPC", "--grpc-port")

@@ -95,6 +95,8 @@ class RequestStream:
         self.pending: _Pending | None = None  # parsed, its prompt being tokenized in the worker thread
         self.usage: UsageReader | None = None
         self.done = False
+        self.expired = False  # its body did not complete in time (`expire_body`): refused, budget given back
+        self.timeout = 0.0  # the body's deadline it missed (seconds), once expired
 
     # -- request path -------------------------------------------------------------------
     def on_message(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
@@ -105,6 +107,9 @@ class RequestStream:
             return self._request_headers(msg)
         if which in ("request_body", "request_trailers") and not self.seen_headers:
             return self._reject(400, "ProtocolError", f"ext_proc: {which} before the request headers")
+        if self.expired and which in ("request_body", "request_trailers"):
+            self.done = True  # (counted when it expired)
+            return (error_response(408, "RequestTimeout", self._expired_message()),)
         if which == "request_body":
             return self._request_body(msg.request_body)
         if which == "request_trailers":
@@ -279,6 +284,25 @@ class RequestStream:
             message += f" and {more} more)" if more > 0 else ")"
         return self._reject(err.status, err.code, message, retry_after)
 
+    @property
+    def awaiting_body(self) -> bool:
+        """The request's headers came and its body has not been routed yet (nor refused)."""
+        return self.seen_headers and self.routed is None and self.pending is None and not self.done
+
+    def expire_body(self, timeout: float) -> None:
+        """The body did not complete within `timeout` seconds of the headers (`--request-body-timeout`):
+        what it holds goes back to the shared budget now (a client trickling bodies cannot hold it), the
+        refusal is counted, and the stream's next request message is answered 408."""
+        if not self.awaiting_body or self.expired:
+            return
+        self.expired = True
+        self.timeout = timeout
+        self._drop_body()
+        self.director.reject(408, "RequestTimeout")
+
+    def _expired_message(self) -> str:
+        return f"the request body did not complete within {self.timeout:g}s (--request-body-timeout)"
+
     def _drop_body(self) -> None:
         self.body = bytearray()
         if self.held and self.budget is not None:
@@ -404,10 +428,17 @@ class RequestStream:
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, director: Director, max_body_bytes: int, budget: BodyBudget | None = None) -> None:
+    def __init__(
+        self,
+        director: Director,
+        max_body_bytes: int,
+        budget: BodyBudget | None = None,
+        body_timeout: float = 0.0,
+    ) -> None:
         self.director = director
         self.max_body_bytes = max_body_bytes
         self.budget = budget
+        self.body_timeout = body_timeout  # seconds from the headers for the body to complete; 0: no limit
 
     async def Process(
         self,
@@ -415,10 +446,16 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = RequestStream(self.director, self.max_body_bytes, self.budget)
+        timer: asyncio.TimerHandle | None = None
         try:
             async for msg in request_iterator:
                 for resp in stream.on_message(msg):
                     yield resp
+                if timer is None and self.body_timeout > 0 and stream.awaiting_body:
+                    # A timer, not a read with a deadline: cancelling a read leaks grpcio's native ops.
+                    timer = asyncio.get_running_loop().call_later(
+                        self.body_timeout, stream.expire_body, self.body_timeout
+                    )
                 if stream.pending is not None:
                     for resp in await stream.resume():
                         yield resp
@@ -431,4 +468,6 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     await asyncio.sleep(END_GRACE_S)
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             stream.close()

@@ -100,4 +100,4 @@ def _renders_json(request: InferenceRequest) -> bool:
     if chat.tools or chat.documents:
         return True
     kwargs = chat.chat_template_kwargs
-    return bool(kwargs) and any(isinstance(v, (list, dict)) for v in kwargs.values())
+    return kwargs is not None and any(isinstance(v, (list, dict)) for v in kwargs.values())
