@@ -36,19 +36,17 @@ from epp.kvindex.prompt import TokenizerError, TokenizerRegistry
 from epp.kvindex.server_chat import TokenizerSpec
 from epp.kvindex.service import SERVICE_KEY, KvIndexService
 from epp.log_format import configure as configure_logging
-from epp.reference_flags import ReferenceFlags, add_reference_flags, log_level_given, notes, resolve
+from epp.reference_flags import (
+    ReferenceFlags,
+    add_reference_flags,
+    flag_bool,
+    log_level_given,
+    notes,
+    resolve,
+)
 from epp.scheduling.builtin import default_registry
 from epp.server.numba_cache import cache_dir, seed_cache
 from epp.tenancy import TenantSalter
-
-
-def _bool(text: str) -> bool:
-    v = text.strip().lower()
-    if v in ("true", "1", "yes", "on"):
-        return True
-    if v in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _duration(text: str) -> float:
@@ -112,7 +110,9 @@ def _bytes(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epp", description="Cache-aware Endpoint Picker for LLM inference")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve the ext_proc Endpoint Picker")
+    # No abbreviated flags (`--log` for `--log-level`): the reference's pflag takes none, and the
+    # reference flags' precedence reads the command line by the full names.
+    s = sub.add_parser("serve", help="serve the ext_proc Endpoint Picker", allow_abbrev=False)
     s.add_argument("--config", "--config-file", dest="config", help="EndpointPickerConfig YAML file")
     s.add_argument("--endpoints", type=_endpoints, default=[], help="comma-separated ip:port list")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=_port, default=9090)
     s.add_argument(
         "--secure-serving",
-        type=_bool,
+        type=flag_bool,
         nargs="?",
         const=True,
         default=True,
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="seed for tie-breaking (default: random)")
     s.add_argument(
         "--enable-debug-endpoints",
-        type=_bool,
+        type=flag_bool,
         nargs="?",
         const=True,
         default=True,

@@ -54,7 +54,9 @@ class ReferenceFlags:
     cert_reload: bool = False
 
 
-def _bool(text: str) -> bool:
+def flag_bool(text: str) -> bool:
+    """A boolean flag's value: Go's `strconv.ParseBool` forms (`true`, `t`, `1`, `False`...), and
+    `yes`/`on`/`no`/`off`."""
     v = text.strip().lower()
     if v in ("true", "1", "yes", "on", "t"):
         return True
@@ -64,7 +66,7 @@ def _bool(text: str) -> bool:
 
 
 def _flag_bool(s: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, help_text: str) -> None:
-    s.add_argument(name, type=_bool, nargs="?", const=True, default=None, help=help_text)
+    s.add_argument(name, type=flag_bool, nargs="?", const=True, default=None, help=help_text)
 
 
 def add_reference_flags(p: argparse.ArgumentParser) -> None:
@@ -110,6 +112,8 @@ def _refuse(flag: str, message: str) -> ConfigError:
 def resolve(args: argparse.Namespace, log_level_given: bool) -> ReferenceFlags:
     """The reference flags of `args`, checked. `log_level_given`: `--log-level` was on the command line
     (it then wins over `--v` and `--zap-log-level`). Raises ConfigError."""
+    if args.config_text == "":  # the reference's default: unset
+        args.config_text = None
     if args.config_text is not None and args.config is not None:
         raise _refuse("--config-text", "give --config or --config-text, not both")
     if args.tracing:
@@ -145,13 +149,13 @@ def resolve(args: argparse.Namespace, log_level_given: bool) -> ReferenceFlags:
         except ValueError as err:
             raise _refuse("--refresh-prometheus-metrics-interval", str(err)) from None
     port = args.model_server_metrics_port
+    if port == 0:  # the reference's default: the endpoint's own port
+        port = None
     if port is not None and not 0 < port < 65536:
-        raise _refuse("--model-server-metrics-port", f"must be 1-65535, got {port}")
+        raise _refuse("--model-server-metrics-port", f"must be 1-65535 (0: the endpoint's port), got {port}")
     path = args.model_server_metrics_path
     if not path.startswith("/") or any(c.isspace() for c in path) or "?" in path or "#" in path:
         raise _refuse("--model-server-metrics-path", f"must be a URL path starting with '/', got {path!r}")
-    if args.enable_cert_reload and not args.cert_path:
-        raise _refuse("--enable-cert-reload", "needs --cert-path (a self-signed certificate never changes)")
     return ReferenceFlags(
         log_level=_log_level(args, log_level_given),
         log_json=args.zap_encoder == "json",
@@ -159,7 +163,7 @@ def resolve(args: argparse.Namespace, log_level_given: bool) -> ReferenceFlags:
         metrics_path=path,
         metrics_port=port,
         metrics_verify_tls=args.model_server_metrics_https_insecure_skip_verify is False,
-        cert_reload=bool(args.enable_cert_reload),
+        cert_reload=bool(args.enable_cert_reload) and bool(args.cert_path),  # (self-signed: never changes)
     )
 
 
@@ -173,10 +177,12 @@ def _log_level(args: argparse.Namespace, log_level_given: bool) -> str:
         try:
             verbosity = int(z)
         except ValueError:
+            verbosity = -1
+        if verbosity < 0:
             raise _refuse(
                 "--zap-log-level",
-                f"expected debug, info, error, panic or a number, got {args.zap_log_level!r}",
-            ) from None
+                f"expected debug, info, error, panic or a number >= 0, got {args.zap_log_level!r}",
+            )
         return "debug" if verbosity >= _DEBUG_VERBOSITY else "info"
     if args.v is not None:
         return "debug" if args.v >= _DEBUG_VERBOSITY else "info"

@@ -207,13 +207,15 @@ class RequestStream:
 
     async def resume(self) -> Iterable[pb.ProcessingResponse]:
         """Route the request `_route` left pending, once its prompt is tokenized in the worker thread."""
-        p, self.pending = self.pending, None
+        p = self.pending  # (left set while it is tokenized: its body is complete, not awaited)
         assert p is not None and self.director.tokenizing is not None
         try:
             request = await self.director.tokenizing.tokenize(p.parsed.request)
         except Exception:
+            self.pending = None
             log.exception("internal error while tokenizing")
             return self._reject(500, "Internal", "internal error")
+        self.pending = None
         parsed = dataclasses.replace(p.parsed, request=request)
         out = list(self._answer(parsed, p.body, p.header_phase, p.body_eos))
         if p.trailers and not self.done:

@@ -87,6 +87,7 @@ class Readiness:
         pool = self.discovery is None or self.discovery.ready
         for name in HEALTH_SERVICES:
             await self.servicer.set(name, SERVING if pool or name not in READINESS_SERVICES else NOT_SERVING)
+        self._pool_serving = pool  # /readyz agrees with the readiness services from here on
         self._ready = True
         if self.discovery is not None:
             await self._follow_pool(self.discovery, pool)

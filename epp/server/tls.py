@@ -9,6 +9,7 @@ import datetime
 import ipaddress
 import logging
 import os
+import threading
 from typing import Any
 
 import grpc
@@ -93,6 +94,7 @@ class CertReloader:
         self._stamp = self._stat()
         self.reloads = 0  # pairs taken after the first
         self.failures = 0  # changed pairs that did not load
+        self._lock = threading.Lock()  # gRPC calls `fetch` from its own threads, several at once
 
     def _stat(self) -> tuple[tuple[int, int, int], ...]:
         out = []
@@ -111,6 +113,10 @@ class CertReloader:
 
     def fetch(self) -> Any:
         """None (keep the current pair) or the new certificate configuration."""
+        with self._lock:
+            return self._fetch()
+
+    def _fetch(self) -> Any:
         stamp = self._stat()
         if stamp == self._stamp:
             return None

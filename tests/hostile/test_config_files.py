@@ -277,7 +277,15 @@ def test_alias_bombs_are_config_errors_without_expanding(section: str) -> None:
     ],
 )
 @pytest.mark.parametrize(
-    "value", ["1" * 200_000 + "x", "1 " + " " * 200_000 + "x", "." + "1" * 200_000 + "e", "1" * 200_000]
+    "value",
+    [
+        "1" * 200_000 + "x",
+        "1 " + " " * 200_000 + "x",
+        "." + "1" * 200_000 + "e",
+        "1" * 200_000,
+        "1m" * 100_000 + "x",  # Go's compound form, broken at the end
+        "1ms" * 70_000 + "1",
+    ],
 )
 def test_long_durations_are_read_in_linear_time(section: str, field: str, value: str) -> None:
     # Before the fix, the duration pattern backtracked quadratically: ~12 s for 16,000 digits.

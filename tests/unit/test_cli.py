@@ -159,3 +159,22 @@ def test_check_config_reads_the_tenancy_secret_as_serve_does(
     monkeypatch.setenv("EPP_TEST_TENANT_SECRET", "a-secret-of-enough-bytes")
     assert main(["check-config", str(env)]) == 0
     assert capsys.readouterr().out.strip().endswith(": ok")
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("50ms", 0.05), ("2", 2.0), ("1m30s", 90.0), ("1h2m3.5s", 3723.5), ("100ns", 1e-7), ("1.5m", 90.0)],
+)
+def test_durations_take_go_s_compound_form(text: str, seconds: float) -> None:
+    """The reference EPP's flags are Go durations (`1m30s`); ours read them too, and bare seconds."""
+    from epp.durations import parse_duration
+
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["1m30", "m", "1m 30s", "-1s", "1d"])
+def test_bad_durations_name_the_text(text: str) -> None:
+    from epp.durations import parse_duration
+
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)

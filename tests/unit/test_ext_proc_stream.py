@@ -456,3 +456,44 @@ def test_a_routed_request_keeps_neither_its_prompt_nor_its_new_body() -> None:
     assert req.model == "m" and req.prompt_tokens_estimate > 0
     s.close()
     assert s.director.datastore.total_in_flight() == 0
+
+
+async def test_the_body_timeout_does_not_fire_while_a_complete_body_is_tokenized() -> None:
+    """A body complete and waiting for the tokenizer worker is not a stalled upload: the timer finds nothing
+    to expire, no 408 is counted, and the request routes with its budget accounted once."""
+    import asyncio
+
+    class SlowTokenizing:
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+
+        def plan(self, request: object) -> None:
+            return None  # to the worker
+
+        async def tokenize(self, request: object) -> object:
+            await self.gate.wait()
+            return request
+
+    d = director()
+    tok = SlowTokenizing()
+    d.tokenizing = tok  # type: ignore[assignment]
+    budget = BodyBudget(1 << 20)
+    s = RequestStream(d, 1 << 20, budget)
+    list(s.on_message(headers()))
+    list(s.on_message(body(BODY, True)))
+    assert s.pending is not None and budget.held == len(BODY)
+    routing = asyncio.create_task(s.resume())
+    await asyncio.sleep(0)
+    s.expire_body(60.0)  # what the timer does if it fires now
+    assert not s.expired and budget.held == len(BODY)
+    tok.gate.set()
+    out = await routing
+    assert destination(out[0]) and s.routed is not None and budget.held == 0
+    assert (
+        d.metrics.registry.get_sample_value(
+            "epp_rejections_total", {"status": "408", "code": "RequestTimeout"}
+        )
+        is None
+    )
+    s.close()
+    assert d.datastore.total_in_flight() == 0

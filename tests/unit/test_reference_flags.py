@@ -106,12 +106,12 @@ def test_scrape_flags_are_honoured() -> None:
             "vllm:num_requests_waiting",
         ),
         (("--lora-info-metric", ""), "--lora-info-metric", "vllm:lora_requests_info"),
-        (("--model-server-metrics-port", "0"), "--model-server-metrics-port", "1-65535"),
+        (("--model-server-metrics-port", "70000"), "--model-server-metrics-port", "1-65535"),
         (("--model-server-metrics-path", "metrics"), "--model-server-metrics-path", "starting with '/'"),
         (("--model-server-metrics-path", "/m?x=1"), "--model-server-metrics-path", "URL path"),
         (("--refresh-prometheus-metrics-interval", "soon"), "--refresh-prometheus-metrics-interval", "soon"),
         (("--zap-log-level", "loud"), "--zap-log-level", "loud"),
-        (("--enable-cert-reload",), "--enable-cert-reload", "--cert-path"),
+        (("--zap-log-level", "-1"), "--zap-log-level", "a number >= 0"),
         (("--config-text", "x: 1", "--config", "a.yaml"), "--config-text", "not both"),
     ],
 )
@@ -163,3 +163,32 @@ def test_json_log_lines_carry_zaps_keys() -> None:
         rec = logging.LogRecord("epp", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     line = json.loads(fmt.format(rec))
     assert line["level"] == "error" and "RuntimeError: boom" in line["stacktrace"]
+
+
+def test_the_references_unset_values_mean_unset() -> None:
+    """Its defaults, passed explicitly (a chart's `flags:` may): `--model-server-metrics-port 0` is the
+    endpoint's own port, `--config-text ""` no config text, `--enable-cert-reload` without `--cert-path`
+    nothing to reload (a self-signed certificate never changes)."""
+    ref = flags("--model-server-metrics-port", "0", "--config-text", "", "--enable-cert-reload")
+    assert ref.metrics_port is None and not ref.cert_reload
+    argv = [*SERVE, "--config-text", ""]
+    args = build_parser().parse_args(argv)
+    resolve(args, log_level_given(argv))
+    assert args.config_text is None
+
+
+@pytest.mark.parametrize("abbreviated", [["--log", "debug"], ["--trac=false"], ["--secure", "false"]])
+def test_flags_are_not_abbreviated(abbreviated: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """As the reference's pflag: a prefix of a flag is not that flag (and `--log-level`'s precedence over
+    `--v` reads the full name)."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*SERVE, *abbreviated])
+    assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "value"), [("t", True), ("F", False), ("TRUE", True), ("0", False)])
+def test_boolean_flags_take_gos_forms(text: str, value: bool) -> None:
+    args = build_parser().parse_args(
+        [*SERVE, f"--secure-serving={text}", f"--ha-enable-leader-election={text}"]
+    )
+    assert args.secure_serving is value and args.ha_enable_leader_election is value

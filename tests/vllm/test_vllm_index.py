@@ -75,7 +75,7 @@ def epp_server(engine: VllmEngine) -> EppServer:
         index=IndexConfig(block_size=INDEX_BLOCK_SIZE),
     )
     settings = ServerSettings.loopback(
-        refresh_metrics_interval=0.2,
+        refresh_metrics_interval=0.1,  # under the default saturation detector's 200 ms staleness threshold
         seed=0,
     )
     return EppServer(settings, cfg, [StaticEndpoint(engine.address, model=MODEL_NAME)])
