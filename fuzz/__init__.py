@@ -8,6 +8,7 @@ COMPILED = [
     "epp.kvindex.cuckoo",
     "epp.kvindex.ownership",
     "epp.kvindex.removal_loop",
+    "epp.kvindex.queue_loop",
     "epp.kvindex.store_loop",
     "epp.kvindex.event_scan",
     "epp.kvindex.rolling",

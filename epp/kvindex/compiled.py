@@ -28,6 +28,7 @@ from epp.kvindex import (
     event_scan,
     ownership,
     prefix_walk,
+    queue_loop,
     removal_loop,
     rolling,
     store_loop,
@@ -54,6 +55,7 @@ def warm_up() -> None:
     block_chain.warm_up()
     rolling.warm_up()
     event_scan.warm_up()
+    queue_loop.warm_up()
     for ntiers in range(1, WARM_TIERS + 1):  # a new number of tiers compiles its own code
         ownership.warm_up(ntiers)
         removal_loop.warm_up(ntiers)

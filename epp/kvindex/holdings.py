@@ -57,7 +57,7 @@ class Batch:
     (when it has no parent in the batch) in `s0`."""
 
     ev: Index  # 7 rows (one contiguous row per field: the compiled loops take one array layout)
-    s0: list[int]
+    s0: U64  # (uint64)
     hashes: U64
     tokens: npt.NDArray[np.integer]
     dups: bool  # some (pod, engine hash) is stored more than once

@@ -42,19 +42,17 @@ tail first), until `evict_headroom` is free: eviction then runs once per so many
 forgets its chain state once no tier holds it, so later children of that block are orphans. Extra copies
 of a unit count nothing (they add no entry; a sparse side table counts them).
 
-Batching. `store` and `remove` do their bookkeeping in Python (is the parent known? how many entries?)
-and queue the numpy work, which runs in batches (`flush`): when the queue holds 4,096 blocks or 64K
-tokens, before any read (`lookup`, `lookup_weighted`, `pod_counts`, `pods`, `stats`), before
-`clear_pod`, before an operation that touches an engine hash with queued work, and before a store that
-might push the index over its bound. The order of effects is therefore exactly that of the calls. A
-read pays for the queued work (about 1 us per queued block), so a caller that wants steady read
-latency calls `flush()` after each batch of events. `store_run` applies a run of BlockStored events of
-one tier and root given as columns (what the compiled scan of a message gives, `event_scan.py`) with the
-same effects as `store` for each: when every event chains from the root, a block queued or held, or an
-earlier event of the run, and nothing queued forces a flush in between, it queues the whole run in one
-pass (`_queue_run`: one set update, one token array); otherwise event by event. `store_many` groups a
-list of stores into runs. Token ids are queued as int64 arrays or packed bytes (`packing.py`). Single
-writer, not thread-safe. Reads are in `reads.py`.
+Batching. `store` and `remove` do their bookkeeping (is the parent known? how many entries?) at once, a
+store's in a compiled loop (`queue_loop.py`), and queue the numpy work, which runs in batches (`flush`): when
+the queue holds 4,096 blocks or 64K tokens, before any read (`lookup`, `lookup_weighted`, `pod_counts`,
+`pods`, `stats`), before `clear_pod`, before an operation that touches an engine hash with queued work, and
+before a store that might push the index over its bound. The order of effects is therefore exactly that of the
+calls. A read pays for the queued work (about 1 us per queued block), so a caller that wants steady read
+latency calls `flush()` after each batch of events. `store_run` applies a run of BlockStored events of one
+tier and root given as columns (what the compiled scan of a message gives, `event_scan.py`) with the same
+effects as `store` for each, in one call of that loop while nothing stops it (a flush, an orphan, a malformed
+event), with one token array. `store_many` groups a list of stores into runs. Token ids are queued as int64
+arrays or packed bytes (`packing.py`). Single writer, not thread-safe. Reads are in `reads.py`.
 
 Limits: 65,534 pods at a time (ids are reused after `clear_pod`), 12 tier names, index blocks of up to
 256 tokens, engine blocks of up to 4,095 index blocks. The arrays (`holdings.py`, `table.py`) take 45-60
@@ -71,15 +69,15 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import store_queue
+from epp.kvindex import queue_loop, store_queue
 from epp.kvindex.events import KNOWN_TIERS
 from epp.kvindex.eviction import MAX_KEYS_PER_RECORD
 from epp.kvindex.holdings import MAX_PODS, MAX_TIERS, Batch, Holdings
 from epp.kvindex.keys import state_of
-from epp.kvindex.packing import StoreTokens, as_u64, flat_tokens, pack_tokens, unsigned, unsigned_parent
+from epp.kvindex.packing import StoreTokens, flat_tokens, pack_tokens, unsigned, unsigned_parent
 from epp.kvindex.reads import IndexReads
 from epp.kvindex.removals import IndexRemovals
-from epp.kvindex.store_queue import IndexQueue, QueuedEvent
+from epp.kvindex.store_queue import IndexQueue
 
 _ROOT_CACHE: Final = 4096
 
@@ -142,35 +140,30 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         self._orphans = 0
         self._descendants = 0
         self._rejected = 0
+        self._new_queue()
         self._reset_queue()
 
+    def _new_queue(self) -> None:
+        """The queue's arrays (`store_queue.py`, `queue_loop.py`): they grow as needed and are reused."""
+        self._q_ev = np.empty((7, 256), dtype=np.intp)
+        self._q_s0 = np.empty(256, dtype=np.uint64)
+        self._q_h = np.empty(store_queue.FLUSH_BLOCKS, dtype=np.uint64)
+        self._q_st = np.zeros(queue_loop.STATE_SIZE, dtype=np.int64)
+        self._qt = store_queue.new_table(store_queue.MIN_TABLE)
+
     def _reset_queue(self) -> None:
-        # queued stores: per event (pod, tier, blocks, tokens, engine block size, parent's queue
-        # position or -1, tokens past the boundary at start), its start state, hashes and tokens
-        self._q_ev: list[QueuedEvent] = []
-        self._q_s0: list[int] = []
-        self._q_hashes: list[int] = []
-        self._q_arrays: list[npt.NDArray[np.uint64] | None] = []  # per queued run: its hashes' array, or None
+        # queued stores: the counters, and the table of positions and discards at a new epoch (empty)
+        st = self._q_st
+        st[: queue_loop.EPOCH] = 0
+        st[queue_loop.EPOCH] += 1
         self._q_tokens: list[bytes | npt.NDArray[np.integer]] = []  # int64 bytes, or integer arrays
-        # Where a queued engine block is, for its children: its *position*, queue position * 256 + tokens
-        # past the last index boundary after it. Per pod: the set of queued hashes, and the position of
-        # each event's last block (the usual parent); the position of any block (`_queued_at`) is indexed
-        # only when asked for, from `_q_full_upto` events on (block `_q_full_g` of the queue).
-        self._q_set: dict[int, set[int]] = {}
-        self._q_last: dict[int, dict[int, int]] = {}
-        self._q_full: dict[int, dict[int, int]] = {}
-        self._q_full_upto = 0
-        self._q_full_g = 0
-        self._q_blocks = 0
-        self._q_tok = 0
-        self._q_weight = 0  # upper bound of what the queued stores add to `used`
-        self._q_dups = False  # some (pod, engine hash) is queued twice
         self._r_units: list[tuple[int, int, int]] = []  # queued removals: (pod, engine hash, tier)
         self._r_left: dict[int, dict[int, int]] = {}  # pod -> engine hash -> tiers left after them
         self._r_spent: dict[tuple[int, int, int], int] = {}  # unit -> queued removals of its extra copies
-        # queued discards (resolved in the batch): per call (pod, tier, hashes), and per pod the hashes
+        # queued discards (resolved in the batch): per call (pod, tier, hashes), and the pods with some (the
+        # hashes are in the table)
         self._d_calls: list[tuple[int, int, Sequence[int]]] = []
-        self._d_set: dict[int, set[int]] = {}
+        self._d_pods: set[int] = set()
         self._d_count = 0
 
     # -- events ----------------------------------------------------------------------------
@@ -279,14 +272,6 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         self._tier_names.append(tier)
         return tid
 
-    def _queued_hashes(self) -> npt.NDArray[np.uint64]:
-        """The queued engine hashes as one uint64 array: the runs' own arrays when each has one (no
-        conversion of Python ints), else from the list."""
-        arrays = [a for a in self._q_arrays if a is not None]
-        if len(arrays) < len(self._q_arrays):
-            return as_u64(self._q_hashes)
-        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
     def _root_state(self, root: int) -> int:
         s = self._roots.get(root)
         if s is None:
@@ -299,18 +284,20 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         h = self._h
         if self._r_units or self._d_calls:
             self._apply_removals()
-        if self._q_blocks:
-            flat = flat_tokens(self._q_tokens)
+        st = self._q_st
+        nblk = int(st[queue_loop.NBLK])
+        if nblk:
+            nev = int(st[queue_loop.NEV])
             h.add(
                 Batch(
-                    ev=np.array(self._q_ev, dtype=np.intp).T.copy(),  # (one contiguous row per field)
-                    s0=self._q_s0,
-                    hashes=self._queued_hashes(),
-                    dups=self._q_dups,
-                    tokens=flat,
+                    ev=self._q_ev[:, :nev].copy(),  # (one contiguous row per field)
+                    s0=self._q_s0[:nev],
+                    hashes=self._q_h[:nblk].copy(),  # (the queue's array is reused)
+                    dups=bool(st[queue_loop.DUPS]),
+                    tokens=flat_tokens(self._q_tokens),
                 )
             )
-        if self._r_units or self._q_blocks or self._d_calls:
+        if self._r_units or nblk or self._d_calls:
             self._reset_queue()
         if h.used > self.max_entries:
             target = max(0, self.max_entries - self.evict_headroom)

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from epp.kvindex import removal_loop
+from epp.kvindex import queue_loop, removal_loop
 from epp.kvindex.eviction import MAX_KEYS_PER_RECORD
 from epp.kvindex.holdings import TIER_SHIFT, U64, Holdings
 from epp.kvindex.packing import as_u64, unsigned
 from epp.kvindex.probe import Index
+from epp.kvindex.queue_loop import NBLK, WEIGHT
 
 
 class IndexRemovals:
@@ -28,14 +29,13 @@ class IndexRemovals:
     _pod_ids: dict[str, int]
     _tier_ids: dict[str, int]
     _unknown: dict[int, dict[int, None]]
-    _q_set: dict[int, set[int]]
-    _q_blocks: int
-    _q_weight: int
+    _q_st: npt.NDArray[np.int64]
+    _qt: npt.NDArray[np.uint64]
     _r_units: list[tuple[int, int, int]]  # queued removals: (pod, engine hash, tier) of live units
     _r_left: dict[int, dict[int, int]]  # pod -> engine hash -> tiers left after them
     _r_spent: dict[tuple[int, int, int], int]  # unit -> queued removals of its extra copies
     _d_calls: list[tuple[int, int, Sequence[int]]]  # queued discards: (pod, tier, engine hashes)
-    _d_set: dict[int, set[int]]  # pod -> engine hashes with a queued discard
+    _d_pods: set[int]  # pods with a queued discard (the hashes are in the queue's table)
     _d_count: int
 
     def _flush(self) -> None:
@@ -43,6 +43,17 @@ class IndexRemovals:
 
     def _removals_queued(self) -> None:
         raise NotImplementedError
+
+    def _room(self, events: int, blocks: int) -> None:
+        raise NotImplementedError
+
+    def _stores_queued(self) -> int:
+        return int(self._q_st[NBLK])
+
+    def _may_evict(self) -> bool:
+        """Whether the queued stores may push the index over its bound."""
+        st = self._q_st
+        return bool(st[NBLK]) and self._h.used + int(st[WEIGHT]) > self.max_entries
 
     def _known_tier(self, pid: int | None, engine_hashes: Sequence[int], tier: str) -> int | None:
         """The tier's id, or None when nothing is to be done: no hashes, the pod unknown, or the tier never
@@ -67,11 +78,10 @@ class IndexRemovals:
         tid = self._known_tier(pid, engine_hashes, tier)
         if pid is None or tid is None:
             return 0
-        queued = self._q_set.get(pid)
         if (
-            (queued and not queued.isdisjoint(engine_hashes))
-            or (self._q_blocks and self._h.used + self._q_weight > self.max_entries)
-            or pid in self._d_set
+            pid in self._d_pods
+            or self._may_evict()
+            or (self._q_st[NBLK] and queue_loop.any_queued(self._qt, self._q_st, pid, as_u64(engine_hashes)))
         ):
             self._flush()  # keep the order of effects: queued stores (and their evictions) come first
         unknown = self._unknown.get(pid)
@@ -111,19 +121,18 @@ class IndexRemovals:
         tid = self._known_tier(pid, engine_hashes, tier)
         if pid is None or tid is None:
             return
-        queued = self._q_set.get(pid)
-        if (queued and not queued.isdisjoint(engine_hashes)) or (
-            self._q_blocks and self._h.used + self._q_weight > self.max_entries
-        ):
+        if self._may_evict():
             self._flush()  # keep the order of effects: queued stores (and their evictions) come first
         unknown = self._unknown.get(pid)
         if unknown:
             for h in engine_hashes:
                 unknown.pop(h, None)
-        discarded = self._d_set.get(pid)
-        if discarded is None:
-            discarded = self._d_set[pid] = set()
-        discarded.update(engine_hashes)
+        keys = as_u64(engine_hashes)
+        self._room(0, len(keys))
+        if not queue_loop.add_discards(self._qt, self._q_st, pid, keys):
+            self._flush()  # a store of one of them is queued: it comes first
+            queue_loop.add_discards(self._qt, self._q_st, pid, keys)
+        self._d_pods.add(pid)
         self._d_calls.append((pid, tid, engine_hashes))
         self._d_count += len(engine_hashes)
         self._removals_queued()

@@ -1,13 +1,13 @@
 """The store queue of the block index (`index.BlockIndex`): runs of stores and queued positions. Pure.
 
-`IndexQueue` is a mixin. `_store` (one BlockStored, for `BlockIndex.store`) checks the event, resolves
-where its chain starts (`_chain_start`: the root, a queued parent, a held parent, or an orphan, whose
-hashes join the pod's unknown chain) and queues it (`_enqueue`); `store_run` takes a run
-of stores given as columns (what the compiled scan of a message gives, `event_scan.py`) and, when every
-event chains from something known and nothing queued forces a flush in between, queues the whole run in
-one pass (`_queue_run`: one set update, one token array, and the hashes' uint64 array when the caller
-has one: the scan's, queued as it is instead of converting Python ints at the flush) with the same effects
-as `store` for each.
+`IndexQueue` is a mixin. `_store` (one BlockStored, for `BlockIndex.store`) and `store_run` (a run of
+stores given as columns: what the compiled scan of a message gives, `event_scan.py`) queue their events
+through the compiled bookkeeping of `queue_loop.py`: each event is checked, its chain start resolved (the
+root, a queued parent, a held parent, or an orphan, whose hashes join the pod's unknown chain) and queued
+in the queue's arrays, with the same effects as `store` for each, in order; where an event must come after
+a flush (it may evict, or it names a block with a queued discard) or the queue is full, the loop stops, the
+queue is flushed and the loop goes on from there. A run's token ids are queued as one array (the scan's),
+and its hashes' uint64 array (the scan's) is read as it is.
 `BlockIndex` provides the state, `_flush` and the pod and tier ids.
 """
 
@@ -19,15 +19,22 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from epp.kvindex import queue_loop
 from epp.kvindex.holdings import Holdings
-from epp.kvindex.packing import StoreTokens, pack_tokens, unsigned, unsigned_parent
+from epp.kvindex.packing import StoreTokens, as_u64, pack_tokens, unsigned, unsigned_parent
+from epp.kvindex.queue_loop import FULL, NBLK, NEV, NTOK, ORPHAN, QCOUNT, QUEUED, REJECT, WEIGHT
 
 FLUSH_TOKENS: Final = 1 << 16
 FLUSH_BLOCKS: Final = 4096
+MIN_TABLE: Final = 1 << 13
+"""Slots of the queue's table to begin with (a power of 2; twice the entries it may hold)."""
 
-QueuedEvent = tuple[int, int, int, int, int, int, int]
-"""(pod, tier, blocks, tokens, engine block size, parent's queue position or -1, tokens past the boundary
-at start)."""
+
+def new_table(size: int) -> npt.NDArray[np.uint64]:
+    """An empty table of the queue (`queue_loop.py`): rows of key, tag, value, epoch (none taken)."""
+    table = np.zeros((size, 4), dtype=np.uint64)
+    table[:, 3] = np.iinfo(np.uint64).max
+    return table
 
 
 class IndexQueue:
@@ -38,21 +45,15 @@ class IndexQueue:
     _roots: dict[int, int]
     _unknown: dict[int, dict[int, None]]
     _r_left: dict[int, dict[int, int]]
-    _d_set: dict[int, set[int]]
-    _q_ev: list[QueuedEvent]
-    _q_s0: list[int]
-    _q_hashes: list[int]
-    _q_arrays: list[npt.NDArray[np.uint64] | None]
+    # the queue (`queue_loop.py`): events (7 rows: pod, tier, blocks, tokens, engine block size, parent's
+    # queue position or -1, tokens past the boundary at start), start states, hashes, counters, the table
+    # of queued positions and discards; token ids per store or run
+    _q_ev: npt.NDArray[np.intp]
+    _q_s0: npt.NDArray[np.uint64]
+    _q_h: npt.NDArray[np.uint64]
+    _q_st: npt.NDArray[np.int64]
+    _qt: npt.NDArray[np.uint64]
     _q_tokens: list[bytes | npt.NDArray[np.integer]]
-    _q_set: dict[int, set[int]]
-    _q_last: dict[int, dict[int, int]]
-    _q_full: dict[int, dict[int, int]]
-    _q_full_upto: int
-    _q_full_g: int
-    _q_blocks: int
-    _q_tok: int
-    _q_weight: int
-    _q_dups: bool
     _pod_ids: dict[str, int]
     _tier_ids: dict[str, int]
     max_unknown: int
@@ -72,6 +73,19 @@ class IndexQueue:
     def _root_state(self, root: int) -> int:
         raise NotImplementedError
 
+    # the queue's counters (`queue_loop.STATE_SIZE`)
+    @property
+    def _q_blocks(self) -> int:
+        return int(self._q_st[NBLK])
+
+    @property
+    def _q_tok(self) -> int:
+        return int(self._q_st[NTOK])
+
+    @property
+    def _q_weight(self) -> int:
+        return int(self._q_st[WEIGHT])
+
     def _ids(self, pod: str, tier: str) -> tuple[int, int]:
         """The pod's and the tier's ids, given on first sight (-1: over the limits)."""
         pid = self._pod_ids.get(pod)
@@ -81,6 +95,26 @@ class IndexQueue:
         if tid is None:
             tid = self._new_tier(tier)
         return pid, tid
+
+    def _room(self, events: int, blocks: int) -> None:
+        """Grow the queue's arrays for `events` and `blocks` more (and their table entries)."""
+        st = self._q_st
+        nev, nblk = int(st[NEV]), int(st[NBLK])
+        if nev + events > self._q_ev.shape[1]:
+            ev = np.empty((7, 2 * (nev + events)), dtype=np.intp)
+            ev[:, :nev] = self._q_ev[:, :nev]
+            s0 = np.empty(2 * (nev + events), dtype=np.uint64)
+            s0[:nev] = self._q_s0[:nev]
+            self._q_ev, self._q_s0 = ev, s0
+        if nblk + blocks > self._q_h.shape[0]:
+            qh = np.empty(2 * (nblk + blocks), dtype=np.uint64)
+            qh[:nblk] = self._q_h[:nblk]
+            self._q_h = qh
+        need = 2 * (int(st[QCOUNT]) + blocks)
+        if need > self._qt.shape[0]:
+            new = new_table(1 << max(need, MIN_TABLE).bit_length())
+            queue_loop.rehash(self._qt, new, int(st[queue_loop.EPOCH]))
+            self._qt = new
 
     def store_run(
         self,
@@ -98,10 +132,10 @@ class IndexQueue:
         """Consecutive BlockStored events of `pod` on one tier from one root, as columns: event e has
         hashes_per_event[e] of `hashes` (in order), parent `parents[e]`, tokens_per_event[e] of `tokens` and
         engine block size block_sizes[e]. The same as `store` for each, in order; returns how many were
-        orphans. A run whose events all chain from known blocks is queued in one pass (`_queue_run`).
-        `hash_array`: the same hashes as a uint64 array (the compiled scan has it), queued as it is
-        instead of converting `hashes` at the flush; kept by reference until then. With it, `hashes` are
-        taken as unsigned (the array's values), not checked for signed ones."""
+        orphans. An integer token array is queued as it is (`_queue_run`).
+        `hash_array`: the same hashes as a uint64 array (the compiled scan has it), read as it is instead
+        of converting `hashes`. With it, `hashes` are taken as unsigned (the array's values), not checked
+        for signed ones."""
         if not len(parents) == len(hashes_per_event) == len(tokens_per_event) == len(block_sizes):
             raise ValueError("store_run: parents and the per-event counts and sizes differ in length")
         if sum(hashes_per_event) != len(hashes) or sum(tokens_per_event) != len(tokens):
@@ -118,20 +152,12 @@ class IndexQueue:
             and pid >= 0
             and tid >= 0
             and isinstance(tokens, np.ndarray)
-            and self._queue_run(
-                pid,
-                tid,
-                root,
-                hashes,
-                parents,
-                hashes_per_event,
-                tokens,
-                tokens_per_event,
-                block_sizes,
-                hash_array,
-            )
+            and tokens.dtype.kind in "iu"
         ):
-            return 0
+            return self._queue_run(
+                pid, tid, root, hashes, parents, hashes_per_event, tokens, tokens_per_event, block_sizes,
+                as_u64(hashes) if hash_array is None else hash_array,
+            )  # fmt: skip
         if len(parents) == 1:  # (no slices to take)
             return int(self._store(pid, tid, hashes, parents[0], tokens, block_sizes[0], root) < 0)
         orphans = 0
@@ -156,145 +182,72 @@ class IndexQueue:
         tokens: npt.NDArray[np.integer],
         tokens_per_event: Sequence[int],
         block_sizes: Sequence[int],
-        hash_array: npt.NDArray[np.uint64] | None,
-    ) -> bool:
-        """Queue a run of stores as `_store` would one by one, when that needs no flush in between and no
-        event is an orphan or malformed; False (nothing changed) otherwise. Each event's parent is the last
-        block of an earlier event of the run, queued, held, or None (the root)."""
-        bs = self.block_size
-        max_ebs = self._max_ebs
-        weight = 0
-        for n, ntok, ebs in zip(hashes_per_event, tokens_per_event, block_sizes, strict=True):
-            if not (n and 1 <= ebs <= max_ebs and (n - 1) * ebs < ntok <= n * ebs):
-                return False
-            weight += (ntok + bs - 1) // bs + (0 if ebs >= bs and ntok == n * ebs else n)
-        if tokens.dtype.kind not in "iu" or self._h.used + self._q_weight + weight > self.max_entries:
-            return False  # (a store that may evict flushes first)
-        run = set(hashes)
-        if len(run) != len(hashes):
-            return False
-        left = self._r_left.get(pid)
-        if left and not left.keys().isdisjoint(run):
-            return False
-        discarded = self._d_set.get(pid)
-        if discarded and not (discarded.isdisjoint(run) and discarded.isdisjoint(parents)):
-            return False
-        ends: dict[int, int] = {}  # the run's events' last blocks -> their positions
-        g = self._q_blocks
-        evs: list[QueuedEvent] = []
-        s0s: list[int] = []
-        h = 0
-        for parent, n, ntok, ebs in zip(
-            parents, hashes_per_event, tokens_per_event, block_sizes, strict=True
-        ):
-            v = None if parent is None else ends.get(parent)
-            if v is not None:
-                pref, npend0, s0 = v >> 8, v & 0xFF, 0
-            elif parent is not None and parent in run:
-                return False  # a block of the run other than an event's last
-            else:
-                start = self._chain_start(pid, parent, root, left)
-                if start is None:
-                    return False  # an orphan: `_store` counts it
-                pref, npend0, s0 = start
-            evs.append((pid, tid, n, ntok, ebs, pref, npend0))
-            s0s.append(s0)
-            h += n
-            g += n
-            ends[hashes[h - 1]] = (g - 1) * 256 + (npend0 + ntok) % bs
-        self._enqueue(pid, evs, s0s, hashes, tokens, ends, len(tokens), weight, hash_array)
-        return True
-
-    def _enqueue(
-        self,
-        pid: int,
-        evs: list[QueuedEvent],
-        s0s: list[int],
-        hashes: Sequence[int],
-        tokens: bytes | npt.NDArray[np.integer],
-        ends: dict[int, int],
-        ntok: int,
-        weight: int,
-        hash_array: npt.NDArray[np.uint64] | None = None,
-    ) -> None:
-        """Queue stores of `pid` whose chains are resolved: their rows, start states, hashes (in order; also
-        as a uint64 array when the caller has one), token ids and the positions of their last blocks; flush
-        when the queue is full."""
-        unknown = self._unknown.get(pid)
-        if unknown:
-            for x in hashes:
-                unknown.pop(x, None)
-        self._q_ev.extend(evs)
-        self._q_s0.extend(s0s)
-        self._q_hashes.extend(hashes)
-        self._q_arrays.append(hash_array)
-        self._q_tokens.append(tokens)
-        queued = self._q_set.get(pid)
-        if queued is None:
-            queued = self._q_set[pid] = set()
-            self._q_last[pid] = {}
-        size = len(queued) + len(hashes)
-        queued.update(hashes)
-        if len(queued) != size:
-            self._q_dups = True  # a hash queued twice for the pod
-        self._q_last[pid].update(ends)
-        self._q_blocks += len(hashes)
-        self._q_tok += ntok
-        self._q_weight += weight
-        if self._q_tok >= FLUSH_TOKENS or self._q_blocks >= FLUSH_BLOCKS:
-            self._flush()
-
-    def _chain_start(
-        self, pid: int, parent: int | None, root: int, left: dict[int, int] | None
-    ) -> tuple[int, int, int] | None:
-        """Where an event's chain starts: (queue position of its parent block, or -1; tokens the parent
-        left past an index boundary; the start state when the parent is not queued: the root's, or the
-        held parent record's). None when the parent is not known for the pod (an orphan); `left`: the
-        pod's queued removals (a parent whose last tier goes in them is not known)."""
-        if parent is None:
-            s0 = self._roots.get(root, -1)
-            return -1, 0, s0 if s0 >= 0 else self._root_state(root)
-        v = self._queued_at(pid, parent)
-        if v is not None:
-            return v >> 8, v & 0xFF, 0
-        if left and left.get(parent) == 0:
-            return None
-        slot = self._h.find_record(pid, parent)
-        if slot < 0:
-            return None
-        return -1, self._h.record_info(slot) & 0xFF, self._h.record_state(slot)
-
-    def _queued_at(self, pid: int, ehash: int) -> int | None:
-        """The position of the latest queued store of (pod, engine hash), or None when none is queued."""
-        queued = self._q_set.get(pid)
-        if not queued or ehash not in queued:
-            return None
-        if not self._q_dups:  # each hash queued once: an event's last block is where `_q_last` says
-            v = self._q_last[pid].get(ehash)
-            if v is not None:
-                return v
-        bs = self.block_size
-        g = self._q_full_g
-        hashes = self._q_hashes
-        for pod, _, n, ntok, ebs, _, npend0 in self._q_ev[self._q_full_upto :]:
-            index = self._q_full.get(pod)
-            if index is None:
-                index = self._q_full[pod] = {}
-            if ebs % bs == 0 and ntok == n * ebs:  # every block leaves the chain where the event began it
-                index.update(zip(hashes[g : g + n], range(g * 256 + npend0, (g + n) * 256, 256), strict=True))
-            else:
-                ends = [min((j + 1) * ebs, ntok) if j < n - 1 else ntok for j in range(n)]
-                index.update(
-                    zip(
-                        hashes[g : g + n],
-                        [(g + j) * 256 + (npend0 + e) % bs for j, e in enumerate(ends)],
-                        strict=True,
-                    )
+        hash_array: npt.NDArray[np.uint64],
+    ) -> int:
+        """`store_run` for a pod id, a tier id and an integer token array: the compiled loop queues the
+        events until one stops it (`queue_loop.queue_run`), then this handles that one and goes on.
+        Returns how many were orphans."""
+        ne = len(parents)
+        cols = np.array(
+            list(
+                zip(
+                    [p is not None for p in parents],
+                    hashes_per_event,
+                    tokens_per_event,
+                    block_sizes,
+                    strict=True,
                 )
-            g += n
-        self._q_full_upto = len(self._q_ev)
-        self._q_full_g = g
-        return self._q_full[pid][ehash]
+            ),
+            dtype=np.int64,
+        )
+        par = np.array([0 if p is None else p for p in parents], dtype=np.uint64)
+        root_s0 = np.uint64(self._root_s0(root)) if None in parents else np.uint64(0)
+        if self._r_left.get(pid):
+            self._flush()  # (whether a parent is still held: the queued removals first)
+        self._room(ne, len(hashes))
+        orphans = 0
+        e = h = t = 0
+        while e < ne:
+            rec = self._h.records
+            e0, h0 = e, h
+            code, e, h = queue_loop.queue_run(
+                pid, tid, hash_array, par, cols, e, h, root_s0, self.block_size, self._max_ebs,
+                self.max_entries, self._h.used, FLUSH_TOKENS, FLUSH_BLOCKS, self._q_ev, self._q_s0, self._q_h,
+                self._qt, self._q_st, rec.keys, rec.tags, rec.count, rec.nb, rec.cols["state"],
+                rec.cols["info"],
+            )  # fmt: skip
+            if e > e0:  # events e0..e queued: their token ids
+                t1 = t + sum(tokens_per_event[e0:e])
+                self._q_tokens.append(tokens if t == 0 and t1 == len(tokens) else tokens[t:t1])
+                t = t1
+                unknown = self._unknown.get(pid)
+                if unknown:
+                    for x in hashes[h0:h]:
+                        unknown.pop(x, None)
+            if code == QUEUED:
+                break
+            if code == FULL:
+                self._flush()
+                continue
+            n = hashes_per_event[e]
+            if code == REJECT:
+                if n:  # (an event without blocks changes nothing)
+                    self._rejected += 1
+                    self._forget_chain(pid, hashes[h : h + n])
+            elif code == ORPHAN:
+                orphans += 1
+                self._orphan(pid, parents[e], hashes[h : h + n])  # type: ignore[arg-type]  # (not None)
+            else:  # FLUSH: then this event again
+                self._flush()
+                continue
+            e += 1
+            h += n
+            t += tokens_per_event[e - 1]
+        return orphans
+
+    def _root_s0(self, root: int) -> int:
+        s0 = self._roots.get(root, -1)
+        return s0 if s0 >= 0 else self._root_state(root)
 
     def _store(
         self,
@@ -309,7 +262,6 @@ class IndexQueue:
         """`store` for a pod id and tier id: the index blocks the event completes, or -1 for an orphan."""
         n = len(engine_hashes)
         ntok = len(token_ids)
-        bs = self.block_size
         tokens = None
         if n and pid >= 0 and tid >= 0 and 1 <= ebs <= self._max_ebs and (n - 1) * ebs < ntok <= n * ebs:
             tokens = pack_tokens(token_ids, ntok)
@@ -319,30 +271,35 @@ class IndexQueue:
                 if pid >= 0:
                     self._forget_chain(pid, engine_hashes)
             return 0
-        # what the event may add to the bound: its keys, + 1 per engine block that might complete none
-        full = ntok == n * ebs
-        weight = (ntok + bs - 1) // bs + (0 if ebs >= bs and full else n)
-        if self._q_blocks and self._h.used + self._q_weight + weight > self.max_entries:
-            self._flush()  # this store may evict: what it sees must include the queued stores' evictions
-        left = self._r_left.get(pid)
-        if left and not left.keys().isdisjoint(engine_hashes):
+        if self._r_left.get(pid):
+            self._flush()  # (whether the parent is still held: the queued removals first)
+        hashes = as_u64(engine_hashes)
+        has_parent = parent_engine_hash is not None
+        parent = np.uint64(0 if parent_engine_hash is None else parent_engine_hash)
+        root_s0 = np.uint64(0 if has_parent else self._root_s0(root))
+        self._room(1, n)
+        while True:
+            rec = self._h.records
+            code, k = queue_loop.queue_one(
+                pid, tid, hashes, parent, has_parent, ntok, ebs, root_s0, self.block_size, self._max_ebs,
+                self.max_entries, self._h.used, FLUSH_TOKENS, FLUSH_BLOCKS, self._q_ev, self._q_s0, self._q_h,
+                self._qt, self._q_st, rec.keys, rec.tags, rec.count, rec.nb, rec.cols["state"],
+                rec.cols["info"],
+            )  # fmt: skip
+            if code in (QUEUED, FULL):
+                break
+            if code == ORPHAN:
+                self._orphan(pid, parent_engine_hash, engine_hashes)  # type: ignore[arg-type]  # (not None)
+                return -1
+            self._flush()  # FLUSH: then the event again (checked above: not REJECT)
+        self._q_tokens.append(tokens)
+        unknown = self._unknown.get(pid)
+        if unknown:
+            for x in engine_hashes:
+                unknown.pop(x, None)
+        if code == FULL:
             self._flush()
-            left = None
-        discarded = self._d_set.get(pid)
-        if discarded and (parent_engine_hash in discarded or not discarded.isdisjoint(engine_hashes)):
-            self._flush()  # whether the parent is still held, and the order of effects
-            left = None
-
-        start = self._chain_start(pid, parent_engine_hash, root, left)
-        if start is None:
-            self._orphan(pid, parent_engine_hash, engine_hashes)  # type: ignore[arg-type]  # (not None here)
-            return -1
-        pref, npend0, s0 = start
-
-        end = (self._q_blocks + n - 1) * 256 + (npend0 + ntok) % bs
-        ev = (pid, tid, n, ntok, ebs, pref, npend0)
-        self._enqueue(pid, [ev], [s0], engine_hashes, tokens, {engine_hashes[-1]: end}, ntok, weight)
-        return (npend0 + ntok) // bs
+        return int(k)
 
     def _orphan(self, pid: int, parent: int, engine_hashes: Sequence[int]) -> None:
         self._orphans += 1
