@@ -486,6 +486,12 @@ Cleared = tuple[int]
 Run = StoredRun | RemovedRun | Cleared
 
 
+RunArrays = tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64]] | npt.NDArray[np.uint64] | None
+"""Per run, what the compiled scan has as arrays: a StoredRun's events (one row each: has a parent, hashes,
+tokens, engine block size) and parents (the value where there is none is not read); a RemovedRun's hashes;
+None."""
+
+
 class ScannedBatch(NamedTuple):
     """A batch in the form ingestion applies: runs of events (`Run`); also made from `decode_batch`'s result
     (`batch_reader.decode`). `events`: how many events the runs hold; `skipped`: events of KV groups that
@@ -498,6 +504,9 @@ class ScannedBatch(NamedTuple):
     events: int
     skipped: int
     partial_groups: tuple[int, ...] = ()
+    arrays: tuple[RunArrays, ...] = ()
+    """The scan's arrays of each run, in order (empty when the batch has none: the index converts the
+    lists)."""
 
 
 def scan_batch(payload: bytes) -> ScannedBatch | None:
@@ -519,6 +528,7 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
     hl = ha.tolist()
     tokens = data[size + cap :]
     out: list[Run] = []
+    arrays: list[RunArrays] = []
     skipped = 0
     partial: dict[int, None] = {}  # (distinct, in order of appearance: a dict, not a list's linear scan)
     ev_at = _HEAD + nruns * _RUN
@@ -527,10 +537,12 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
             kind, e0, e1, h0, h1, t0, t1, m_at, m_n, l_at, l_n, s_at, s_n, grp, x_at, x_n = w[r : r + _RUN]
             if kind == CLEARED:
                 out.append(_CLEARED)
+                arrays.append(None)
                 continue
             tier = GPU if m_n < 0 else normalize_tier(payload[m_at : m_at + m_n].decode())
             if kind == REMOVED:
                 out.append((REMOVED, tier, hl[h0:h1], None if grp < 0 else grp, e1 - e0))
+                arrays.append(ha[h0:h1])
                 continue
             if s_n >= 0 and payload[s_at : s_at + s_n].decode() not in FULL_ATTENTION_KINDS:
                 skipped += e1 - e0
@@ -559,10 +571,18 @@ def scan_batch(payload: bytes) -> ScannedBatch | None:
                     ha[h0:h1],
                 )
             )
+            arrays.append(
+                (
+                    work[ev_at + e0 * _EVENT : ev_at + e1 * _EVENT].reshape(e1 - e0, _EVENT),
+                    ha[nh + e0 : nh + e1],
+                )
+            )
     except UnicodeDecodeError:
         return None  # decode_batch names it
     ts = struct.unpack("<d", struct.pack("<q", w[0]))[0]
-    return ScannedBatch(ts, w[1] if w[2] else None, out, w[3] - skipped, skipped, tuple(partial))
+    return ScannedBatch(
+        ts, w[1] if w[2] else None, out, w[3] - skipped, skipped, tuple(partial), tuple(arrays)
+    )
 
 
 _CLEARED: Final[Cleared] = (CLEARED,)

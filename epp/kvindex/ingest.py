@@ -386,7 +386,8 @@ class KvIngest:
         asked = False
         orphans = 0
         skipped = 0  # BlockRemoved events in skipped KV groups: not applied
-        for run in batch.runs:
+        arrays = batch.arrays
+        for i, run in enumerate(batch.runs):
             if run[0] == STORED:
                 _, tier, lora_name, salt, hashes, parents, per_event, tokens, per_tokens, sizes, array = run  # type: ignore[misc]
                 model = lora_name or topic_model
@@ -408,14 +409,18 @@ class KvIngest:
                     if len(roots) > 4096:  # tenants come and go: keep the cache bounded
                         roots.clear()
                     root = roots[(model, salt)] = root_key(model, salt)
+                cols = arrays[i] if arrays else None
+                events, parent_array = cols if isinstance(cols, tuple) else (None, None)
                 orphans += index.store_run(
-                    pod, tier, root, hashes, parents, per_event, tokens, per_tokens, sizes, array
-                )
+                    pod, tier, root, hashes, parents, per_event, tokens, per_tokens, sizes, array, events,
+                    parent_array,
+                )  # fmt: skip
             elif run[0] == REMOVED:
                 if partial and run[3] in partial:  # type: ignore[misc,operator]
                     skipped += run[4]  # type: ignore[misc,operator]
                     continue  # a sliding-window (...) group's copy: the full-attention block stays
-                index.discard(pod, run[2], run[1])  # type: ignore[arg-type,misc]
+                removed = arrays[i] if arrays else None  # (a RemovedRun's: its hashes' array)
+                index.discard(pod, run[2], run[1], None if isinstance(removed, tuple) else removed)  # type: ignore[arg-type,misc]
             else:
                 index.clear_pod(pod)
         if orphans:

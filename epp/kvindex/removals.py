@@ -113,10 +113,21 @@ class IndexRemovals:
         self._removals_queued()
         return removed
 
-    def discard(self, pod: str, engine_hashes: Sequence[int], tier: str) -> None:
+    def discard(
+        self,
+        pod: str,
+        engine_hashes: Sequence[int],
+        tier: str,
+        hash_array: npt.NDArray[np.uint64] | None = None,
+    ) -> None:
         """BlockRemoved, as `remove`, without the count of entries released: the engine blocks are looked
-        up in the next batch, all at once, instead of one by one now (a few times cheaper)."""
-        engine_hashes = unsigned(engine_hashes)
+        up in the next batch, all at once, instead of one by one now (a few times cheaper). `hash_array`:
+        the same hashes as a uint64 array (the compiled scan's), read as it is (then `engine_hashes` are
+        taken as unsigned)."""
+        if hash_array is None:
+            engine_hashes = unsigned(engine_hashes)
+        elif hash_array.dtype != np.uint64 or hash_array.shape != (len(engine_hashes),):
+            raise ValueError("discard: hash_array is not the hashes' uint64 array")
         pid = self._pod_ids.get(pod)
         tid = self._known_tier(pid, engine_hashes, tier)
         if pid is None or tid is None:
@@ -127,7 +138,7 @@ class IndexRemovals:
         if unknown:
             for h in engine_hashes:
                 unknown.pop(h, None)
-        keys = as_u64(engine_hashes)
+        keys = as_u64(engine_hashes) if hash_array is None else hash_array
         self._room(0, len(keys))
         if not queue_loop.add_discards(self._qt, self._q_st, pid, keys):
             self._flush()  # a store of one of them is queued: it comes first

@@ -128,6 +128,8 @@ class IndexQueue:
         tokens_per_event: Sequence[int],
         block_sizes: Sequence[int],
         hash_array: npt.NDArray[np.uint64] | None = None,
+        event_array: npt.NDArray[np.int64] | None = None,
+        parent_array: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         """Consecutive BlockStored events of `pod` on one tier from one root, as columns: event e has
         hashes_per_event[e] of `hashes` (in order), parent `parents[e]`, tokens_per_event[e] of `tokens` and
@@ -135,7 +137,9 @@ class IndexQueue:
         orphans. An integer token array is queued as it is (`_queue_run`).
         `hash_array`: the same hashes as a uint64 array (the compiled scan has it), read as it is instead
         of converting `hashes`. With it, `hashes` are taken as unsigned (the array's values), not checked
-        for signed ones."""
+        for signed ones. `event_array` and `parent_array` (the scan's, given together): per event a row of
+        (whether it has a parent, hashes, tokens, engine block size), and the parents (unsigned; the value of
+        an event without one is not read), read instead of converting the lists."""
         if not len(parents) == len(hashes_per_event) == len(tokens_per_event) == len(block_sizes):
             raise ValueError("store_run: parents and the per-event counts and sizes differ in length")
         if sum(hashes_per_event) != len(hashes) or sum(tokens_per_event) != len(tokens):
@@ -144,7 +148,15 @@ class IndexQueue:
             raise ValueError("store_run: hash_array is not the hashes' uint64 array")
         if hash_array is None:  # (with the array, the hashes are its values: unsigned already)
             hashes = unsigned(hashes)
-        if any(p is not None and p < 0 for p in parents):
+        if event_array is not None or parent_array is not None:
+            if not (
+                event_array is not None
+                and parent_array is not None
+                and event_array.shape == (len(parents), 4)
+                and parent_array.shape == (len(parents),)
+            ):
+                raise ValueError("store_run: event_array and parent_array are not the events' columns")
+        elif any(p is not None and p < 0 for p in parents):
             parents = [unsigned_parent(p) for p in parents]
         pid, tid = self._ids(pod, tier)
         if (
@@ -156,7 +168,7 @@ class IndexQueue:
         ):
             return self._queue_run(
                 pid, tid, root, hashes, parents, hashes_per_event, tokens, tokens_per_event, block_sizes,
-                as_u64(hashes) if hash_array is None else hash_array,
+                as_u64(hashes) if hash_array is None else hash_array, event_array, parent_array,
             )  # fmt: skip
         if len(parents) == 1:  # (no slices to take)
             return int(self._store(pid, tid, hashes, parents[0], tokens, block_sizes[0], root) < 0)
@@ -183,6 +195,8 @@ class IndexQueue:
         tokens_per_event: Sequence[int],
         block_sizes: Sequence[int],
         hash_array: npt.NDArray[np.uint64],
+        cols: npt.NDArray[np.int64] | None,
+        par: npt.NDArray[np.uint64] | None,
     ) -> int:
         """`store_run` for a pod id, a tier id and an integer token array: the compiled loop queues the
         events until one stops it (`queue_loop.queue_run`), then this handles that one and goes on.

@@ -12,8 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epp.kvindex import queue_loop, store_queue
+from epp.kvindex.event_scan import scan_batch
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys
+from epp.testing.kv_wire import cleared, encode_batch, removed, stored
 from tests.unit.test_kv_index import BS, ROOT, engine_hash
 
 
@@ -106,3 +108,27 @@ def test_runs_stopped_in_the_middle_leave_the_index_as_store_does(
             tokens = [t for _, _, ts in chain[:k] for t in ts]
             keys = block_keys(tokens, BS, ROOT)
             assert one.lookup(keys, ["p"]) == run.lookup(keys, ["p"])
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_the_scans_arrays_are_its_runs_columns(form: Any) -> None:
+    """`ScannedBatch.arrays`: per StoredRun its events' rows (has a parent, hashes, tokens, engine block
+    size) and parents, per RemovedRun its hashes: the values of the run's lists."""
+    tokens = list(range(64))
+    events = [
+        stored([11, 12], None, tokens[:32], 16, "GPU", form=form),
+        stored([13], 12, tokens[32:44], 16, "GPU", form=form),
+        stored([(1 << 64) - 5, 15], 13, tokens[:32], 16, "GPU", form=form),
+        removed([11, (1 << 63) + 1], "GPU", form=form),
+        cleared(form),
+    ]
+    batch = scan_batch(encode_batch(events, None, 1.0))
+    assert batch is not None and len(batch.arrays) == len(batch.runs) == 3
+    run, removed_run = batch.runs[0], batch.runs[1]
+    rows, parents = batch.arrays[0]  # type: ignore[misc]
+    parents_, per_event, per_tokens, sizes = run[5], run[6], run[8], run[9]  # type: ignore[misc]
+    want = zip(parents_, per_event, per_tokens, sizes, strict=True)
+    assert rows.tolist() == [[int(p is not None), n, t, b] for p, n, t, b in want]
+    assert [int(x) if p is not None else None for x, p in zip(parents, run[5], strict=True)] == run[5]  # type: ignore[misc]
+    assert batch.arrays[1].tolist() == removed_run[2]  # type: ignore[union-attr,misc]
+    assert batch.arrays[2] is None
