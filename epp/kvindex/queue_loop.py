@@ -49,7 +49,9 @@ DISCARD: Final = 1 << 17
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _slot(key: Any, tag: Any, mask: Any) -> Any:  # pragma: no cover - compiled
-    x = key ^ (numba.uint64(tag) * numba.uint64(0xD6E8FEB86659FD93))
+    """Where (key, tag)'s probe starts: by the key and the pod, so that a pod's discard of a hash is on the
+    path of its store of it (one cache line for both probes)."""
+    x = key ^ (numba.uint64(tag & 0xFFFF) * numba.uint64(0xD6E8FEB86659FD93))
     x ^= x >> numba.uint64(33)
     x *= numba.uint64(0xFF51AFD7ED558CCD)
     x ^= x >> numba.uint64(33)

@@ -202,19 +202,12 @@ class IndexQueue:
         events until one stops it (`queue_loop.queue_run`), then this handles that one and goes on.
         Returns how many were orphans."""
         ne = len(parents)
-        cols = np.array(
-            list(
-                zip(
-                    [p is not None for p in parents],
-                    hashes_per_event,
-                    tokens_per_event,
-                    block_sizes,
-                    strict=True,
-                )
-            ),
-            dtype=np.int64,
-        )
-        par = np.array([0 if p is None else p for p in parents], dtype=np.uint64)
+        if cols is None or par is None:
+            has = [p is not None for p in parents]
+            cols = np.array(
+                list(zip(has, hashes_per_event, tokens_per_event, block_sizes, strict=True)), np.int64
+            )
+            par = np.array([0 if p is None else p for p in parents], dtype=np.uint64)
         root_s0 = np.uint64(self._root_s0(root)) if None in parents else np.uint64(0)
         if self._r_left.get(pid):
             self._flush()  # (whether a parent is still held: the queued removals first)
