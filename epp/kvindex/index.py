@@ -145,11 +145,13 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
 
     def _new_queue(self) -> None:
         """The queue's arrays (`store_queue.py`, `queue_loop.py`): they grow as needed and are reused."""
-        self._q_ev = np.empty((7, 256), dtype=np.intp)
-        self._q_s0 = np.empty(256, dtype=np.uint64)
-        self._q_h = np.empty(store_queue.FLUSH_BLOCKS, dtype=np.uint64)
+        self._q_ev = np.empty((7, 0), dtype=np.intp)  # (`_room` gives them their size at the first store)
+        self._q_s0 = np.empty(0, dtype=np.uint64)
+        self._q_h = np.empty(0, dtype=np.uint64)
+        self._q_cap = 0
+        self._q_one = np.empty(1, dtype=np.uint64)
         self._q_st = np.zeros(queue_loop.STATE_SIZE, dtype=np.int64)
-        self._qt = store_queue.new_table(store_queue.MIN_TABLE)
+        self._qt = store_queue.new_table(2)
 
     def _reset_queue(self) -> None:
         # queued stores: the counters, and the table of positions and discards at a new epoch (empty)

@@ -47,6 +47,9 @@ class IndexRemovals:
     def _room(self, events: int, blocks: int) -> None:
         raise NotImplementedError
 
+    def _keys(self, hashes: Sequence[int]) -> npt.NDArray[np.uint64]:
+        raise NotImplementedError
+
     def _stores_queued(self) -> int:
         return int(self._q_st[NBLK])
 
@@ -138,7 +141,7 @@ class IndexRemovals:
         if unknown:
             for h in engine_hashes:
                 unknown.pop(h, None)
-        keys = as_u64(engine_hashes) if hash_array is None else hash_array
+        keys = self._keys(engine_hashes) if hash_array is None else hash_array
         self._room(0, len(keys))
         if not queue_loop.add_discards(self._qt, self._q_st, pid, keys):
             self._flush()  # a store of one of them is queued: it comes first

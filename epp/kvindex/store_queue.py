@@ -13,6 +13,7 @@ and its hashes' uint64 array (the scan's) is read as it is.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Final
 
@@ -26,8 +27,8 @@ from epp.kvindex.queue_loop import FULL, NBLK, NEV, NTOK, ORPHAN, QCOUNT, QUEUED
 
 FLUSH_TOKENS: Final = 1 << 16
 FLUSH_BLOCKS: Final = 4096
-MIN_TABLE: Final = 1 << 13
-"""Slots of the queue's table to begin with (a power of 2; twice the entries it may hold)."""
+_SLACK: Final = 1024
+"""Blocks a call may queue without the arrays' room checked against the counters (`_room`)."""
 
 
 def new_table(size: int) -> npt.NDArray[np.uint64]:
@@ -51,6 +52,8 @@ class IndexQueue:
     _q_ev: npt.NDArray[np.intp]
     _q_s0: npt.NDArray[np.uint64]
     _q_h: npt.NDArray[np.uint64]
+    _q_cap: int
+    _q_one: npt.NDArray[np.uint64]
     _q_st: npt.NDArray[np.int64]
     _qt: npt.NDArray[np.uint64]
     _q_tokens: list[bytes | npt.NDArray[np.integer]]
@@ -96,23 +99,39 @@ class IndexQueue:
             tid = self._new_tier(tier)
         return pid, tid
 
+    def _keys(self, hashes: Sequence[int]) -> npt.NDArray[np.uint64]:
+        """The hashes as a uint64 array: one hash in an array kept for it (read before the next call)."""
+        if len(hashes) == 1:
+            with contextlib.suppress(OverflowError):  # (an oversized hash: `as_u64` wraps it)
+                self._q_one[0] = hashes[0]
+                return self._q_one
+        return as_u64(hashes)
+
     def _room(self, events: int, blocks: int) -> None:
-        """Grow the queue's arrays for `events` and `blocks` more (and their table entries)."""
+        """Make room in the queue's arrays for `events` and `blocks` more (and their table entries). When a
+        call begins, the queue holds fewer than FLUSH_BLOCKS blocks (a full one is flushed at once), hence
+        as many events at most, and fewer than FLUSH_BLOCKS discards: arrays of FLUSH_BLOCKS + `blocks`
+        and a table of twice 2 * FLUSH_BLOCKS + `blocks` rows are enough, checked without reading the
+        counters."""
+        if blocks + FLUSH_BLOCKS <= self._q_cap and 2 * (2 * FLUSH_BLOCKS + blocks) <= self._qt.shape[0]:
+            return
         st = self._q_st
         nev, nblk = int(st[NEV]), int(st[NBLK])
-        if nev + events > self._q_ev.shape[1]:
-            ev = np.empty((7, 2 * (nev + events)), dtype=np.intp)
+        cap = max(nev + events, nblk + blocks, FLUSH_BLOCKS + max(blocks, _SLACK))
+        if cap > self._q_ev.shape[1]:
+            ev = np.empty((7, cap), dtype=np.intp)
             ev[:, :nev] = self._q_ev[:, :nev]
-            s0 = np.empty(2 * (nev + events), dtype=np.uint64)
+            s0 = np.empty(cap, dtype=np.uint64)
             s0[:nev] = self._q_s0[:nev]
             self._q_ev, self._q_s0 = ev, s0
-        if nblk + blocks > self._q_h.shape[0]:
-            qh = np.empty(2 * (nblk + blocks), dtype=np.uint64)
+        if cap > self._q_h.shape[0]:
+            qh = np.empty(cap, dtype=np.uint64)
             qh[:nblk] = self._q_h[:nblk]
             self._q_h = qh
-        need = 2 * (int(st[QCOUNT]) + blocks)
+        self._q_cap = min(self._q_ev.shape[1], self._q_h.shape[0])
+        need = 2 * max(int(st[QCOUNT]) + blocks, 2 * FLUSH_BLOCKS + max(blocks, _SLACK))
         if need > self._qt.shape[0]:
-            new = new_table(1 << max(need, MIN_TABLE).bit_length())
+            new = new_table(1 << (need - 1).bit_length())
             queue_loop.rehash(self._qt, new, int(st[queue_loop.EPOCH]))
             self._qt = new
 
@@ -280,7 +299,7 @@ class IndexQueue:
             return 0
         if self._r_left.get(pid):
             self._flush()  # (whether the parent is still held: the queued removals first)
-        hashes = as_u64(engine_hashes)
+        hashes = self._keys(engine_hashes)
         has_parent = parent_engine_hash is not None
         parent = np.uint64(0 if parent_engine_hash is None else parent_engine_hash)
         root_s0 = np.uint64(0 if has_parent else self._root_s0(root))
