@@ -45,6 +45,9 @@ to `used`), whether a (pod, engine hash) is queued twice, entries of the table, 
 
 DISCARD: Final = 1 << 17
 """Tag offset of a pod's queued discards in the table (pods are < 2^16)."""
+LEFT: Final = 1 << 18
+"""Tag offset of a pod's engine blocks with queued removals (`remove`) in the table: the tiers left to them
+after those (the removals' `_r_left`)."""
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -143,11 +146,13 @@ def _queue_one(  # pragma: no cover - compiled
     epoch = st[EPOCH]
     if st[QCOUNT] > 0:
         dtag = pid + DISCARD
+        ltag = pid + LEFT
+        for j in range(n):  # a block with a queued removal or discard: those first
+            x = hashes[h + j]
+            if qt_find(qt, epoch, x, ltag) >= 0 or qt_find(qt, epoch, x, dtag) >= 0:
+                return FLUSH, 0
         if has_parent and qt_find(qt, epoch, parent, dtag) >= 0:
             return FLUSH, 0  # whether the parent is still held, and the order of effects
-        for j in range(n):
-            if qt_find(qt, epoch, hashes[h + j], dtag) >= 0:
-                return FLUSH, 0
     pref = -1
     npend0 = 0
     s0 = numba.uint64(0)
@@ -158,6 +163,8 @@ def _queue_one(  # pragma: no cover - compiled
         if v >= 0:
             pref = v >> 8
             npend0 = v & 0xFF
+        elif st[QCOUNT] > 0 and qt_find(qt, epoch, parent, pid + LEFT) == 0:
+            return ORPHAN, 0  # the queued removals leave the parent on no tier
         else:
             slot = find_one(rkeys, rtags, rcount, rnb, parent, numba.uint16(pid))[0]
             if slot < 0:
@@ -303,6 +310,14 @@ def add_discards(qt: Any, st: Any, pid: int, hashes: Any) -> bool:
         if not qt_put(qt, st[EPOCH], hashes[j], pid + DISCARD, 0):
             st[QCOUNT] += 1
     return True
+
+
+@numba.njit(cache=True, nogil=True)
+def set_left(qt: Any, st: Any, pid: int, hashes: Any, tiers: Any) -> None:  # pragma: no cover - compiled
+    """Record the tiers left to (pid, hashes) after the queued removals."""
+    for j in range(hashes.shape[0]):
+        if not qt_put(qt, st[EPOCH], hashes[j], pid + LEFT, tiers[j]):
+            st[QCOUNT] += 1
 
 
 def warm_up() -> None:

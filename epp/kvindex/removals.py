@@ -93,6 +93,7 @@ class IndexRemovals:
             left = self._r_left[pid] = {}
         bit = 1 << tid
         removed = 0
+        touched: list[int] = []  # hashes whose tiers left changed
         h_info = self._h.record_info_of
         copies = self._h.copies
         for h in engine_hashes:
@@ -104,6 +105,7 @@ class IndexRemovals:
             tiers = left.get(h, info >> TIER_SHIFT)
             if tiers & bit:
                 self._r_units.append((pid, h, tid))
+                touched.append(h)
                 if copies.size:  # the unit may hold further copies: then only one of them goes
                     unit = (pid, h, tid)
                     spent = self._r_spent.get(unit, 0)
@@ -113,6 +115,17 @@ class IndexRemovals:
                         continue
                 left[h] = tiers & ~bit
                 removed += (info >> 8) & MAX_KEYS_PER_RECORD
+        if (
+            touched
+        ):  # (in the queue's table too: a store of one flushes first, a parent left on no tier is gone)
+            self._room(0, len(touched))
+            queue_loop.set_left(
+                self._qt,
+                self._q_st,
+                pid,
+                as_u64(touched),
+                np.array([left[h] for h in touched], dtype=np.uint64),
+            )
         self._removals_queued()
         return removed
 

@@ -228,8 +228,6 @@ class IndexQueue:
             )
             par = np.array([0 if p is None else p for p in parents], dtype=np.uint64)
         root_s0 = np.uint64(self._root_s0(root)) if None in parents else np.uint64(0)
-        if self._r_left.get(pid):
-            self._flush()  # (whether a parent is still held: the queued removals first)
         self._room(ne, len(hashes))
         orphans = 0
         e = h = t = 0
@@ -297,8 +295,6 @@ class IndexQueue:
                 if pid >= 0:
                     self._forget_chain(pid, engine_hashes)
             return 0
-        if self._r_left.get(pid):
-            self._flush()  # (whether the parent is still held: the queued removals first)
         hashes = self._keys(engine_hashes)
         has_parent = parent_engine_hash is not None
         parent = np.uint64(0 if parent_engine_hash is None else parent_engine_hash)

@@ -132,3 +132,21 @@ def test_the_scans_arrays_are_its_runs_columns(form: Any) -> None:
     assert [int(x) if p is not None else None for x, p in zip(parents, run[5], strict=True)] == run[5]  # type: ignore[misc]
     assert batch.arrays[1].tolist() == removed_run[2]  # type: ignore[union-attr,misc]
     assert batch.arrays[2] is None
+
+
+@pytest.mark.parametrize("removal", [False, True])
+def test_a_queued_removal_of_another_block_does_not_change_where_a_chain_starts(removal: bool) -> None:
+    """A hash held with one chain and queued again with another (an engine that reuses a hash): its child
+    chains from the queued copy, whether or not the pod has a queued removal of an unrelated block in
+    between (which once flushed the queue first: then the held copy's chain, kept, was taken)."""
+    index = BlockIndex(BS)
+    a, b, z, child = list(range(16)), list(range(100, 132)), list(range(200, 216)), list(range(300, 316))
+    index.store("p", [1], None, a, BS, "gpu", ROOT)
+    index.store("p", [9], None, z, BS, "gpu", ROOT)
+    index.flush()
+    index.store("p", [2, 1], None, b, BS, "gpu", ROOT)  # hash 1 again, after another block
+    if removal:
+        assert index.remove("p", [9], "gpu") == 1  # (queued)
+    index.store("p", [3], 1, child, BS, "gpu", ROOT)
+    assert index.lookup(block_keys(b + child, BS, ROOT)[2:], ["p"])["p"]["any"] == 1
+    assert index.lookup(block_keys(a + child, BS, ROOT)[1:], ["p"])["p"]["any"] == 0
