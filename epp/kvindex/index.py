@@ -287,7 +287,7 @@ class BlockIndex(IndexQueue, IndexReads, IndexRemovals):
         if self._r_units or self._d_calls:
             self._apply_removals()
         st = self._q_st
-        nblk = int(st[queue_loop.NBLK])
+        nblk = int(st[queue_loop.NBLK]) if self._q_tokens else 0  # (a queued store has its tokens there)
         if nblk:
             nev = int(st[queue_loop.NEV])
             h.add(

@@ -280,9 +280,11 @@ def queue_one(  # pragma: no cover - compiled
     rstate: Any,
     rinfo: Any,
 ) -> tuple[int, int]:
-    """One BlockStored of all of `hashes`: (what `_queue_one` says, index blocks it completes)."""
+    """One BlockStored of all of `hashes`: (what `_queue_one` says, index blocks it completes). `parent` and
+    `root_s0` may come as the int64 of their bits."""
+    p, r = numba.uint64(parent), numba.uint64(root_s0)
     code, k = _queue_one(
-        pid, tid, hashes, 0, parent, has_parent, hashes.shape[0], ntok, ebs, root_s0, bs, max_ebs,
+        pid, tid, hashes, 0, p, has_parent, hashes.shape[0], ntok, ebs, r, bs, max_ebs,
         max_entries, used, flush_tokens, flush_blocks, qev, qs0, qh, qt, st, rkeys, rtags, rcount,
         rnb, rstate, rinfo,
     )  # fmt: skip

@@ -35,6 +35,7 @@ class IndexRemovals:
     _r_left: dict[int, dict[int, int]]  # pod -> engine hash -> tiers left after them
     _r_spent: dict[tuple[int, int, int], int]  # unit -> queued removals of its extra copies
     _d_calls: list[tuple[int, int, Sequence[int]]]  # queued discards: (pod, tier, engine hashes)
+    _q_tokens: list[bytes | npt.NDArray[np.integer]]
     _d_pods: set[int]  # pods with a queued discard (the hashes are in the queue's table)
     _d_count: int
 
@@ -55,6 +56,8 @@ class IndexRemovals:
 
     def _may_evict(self) -> bool:
         """Whether the queued stores may push the index over its bound."""
+        if not self._q_tokens:  # (no store queued)
+            return False
         st = self._q_st
         return bool(st[NBLK]) and self._h.used + int(st[WEIGHT]) > self.max_entries
 

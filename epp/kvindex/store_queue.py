@@ -13,7 +13,6 @@ and its hashes' uint64 array (the scan's) is read as it is.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Final
 
@@ -27,6 +26,8 @@ from epp.kvindex.queue_loop import FULL, NBLK, NEV, NTOK, ORPHAN, QCOUNT, QUEUED
 
 FLUSH_TOKENS: Final = 1 << 16
 FLUSH_BLOCKS: Final = 4096
+_I64MAX: Final = (1 << 63) - 1
+_TWO64: Final = 1 << 64
 _SLACK: Final = 1024
 """Blocks a call may queue without the arrays' room checked against the counters (`_room`)."""
 
@@ -102,9 +103,11 @@ class IndexQueue:
     def _keys(self, hashes: Sequence[int]) -> npt.NDArray[np.uint64]:
         """The hashes as a uint64 array: one hash in an array kept for it (read before the next call)."""
         if len(hashes) == 1:
-            with contextlib.suppress(OverflowError):  # (an oversized hash: `as_u64` wraps it)
+            try:
                 self._q_one[0] = hashes[0]
-                return self._q_one
+            except OverflowError:  # (an oversized hash: `as_u64` wraps it)
+                return as_u64(hashes)
+            return self._q_one
         return as_u64(hashes)
 
     def _room(self, events: int, blocks: int) -> None:
@@ -297,8 +300,13 @@ class IndexQueue:
             return 0
         hashes = self._keys(engine_hashes)
         has_parent = parent_engine_hash is not None
-        parent = np.uint64(0 if parent_engine_hash is None else parent_engine_hash)
-        root_s0 = np.uint64(0 if has_parent else self._root_s0(root))
+        # (as int64 bits: numba takes a Python int as int64; the loop reads them back as uint64)
+        parent = 0 if parent_engine_hash is None else parent_engine_hash
+        if parent > _I64MAX:
+            parent -= _TWO64
+        root_s0 = 0 if has_parent else self._root_s0(root)
+        if root_s0 > _I64MAX:
+            root_s0 -= _TWO64
         self._room(1, n)
         while True:
             rec = self._h.records
