@@ -138,13 +138,7 @@ def put_block(  # pragma: no cover - compiled
     h = values[k]
     block_hash[b] = h
     hashed[b] = True
-    i = _find(keys, vals, h)
-    if i >= 0:
-        return vals[i]
-    i = -1 - i
-    keys[i] = h
-    vals[i] = b
-    return b
+    return put(keys, vals, h, b)
 
 
 @numba.njit(cache=True, nogil=True)
