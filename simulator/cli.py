@@ -32,7 +32,7 @@ import pathlib
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from importlib import metadata
 from typing import Any
 
@@ -42,7 +42,8 @@ from simulator import policies, report
 from simulator.cluster import MIN_SCRAPE_INTERVAL, ClusterConfig
 from simulator.engine import EngineConfig
 from simulator.engine_replay import EngineReplayError, engine_replay
-from simulator.latency import DEFAULT_PROFILE, PROFILES, LatencyProfile
+from simulator.latency import DEFAULT_PROFILE, PROFILES
+from simulator.latency_file import load_latency_profile
 from simulator.parallel import replay_parallel
 from simulator.replay import resolve
 from simulator.serving import command as serve_engine
@@ -124,7 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens", type=_positive(int), default=8192, help="token budget of an engine step"
     )
     r.add_argument("--max-num-seqs", type=_positive(int), default=256, help="requests running at most")
-    r.add_argument("--latency-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    r.add_argument(
+        "--latency-profile",
+        default=DEFAULT_PROFILE,
+        help=f"step times: {', '.join(sorted(PROFILES))}, or a YAML file (a costModel.profiles entry, or an "
+        "EPP config) (default %(default)s)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument(
         "--jobs",
@@ -303,6 +309,14 @@ def run_replay(args: argparse.Namespace) -> int:
             f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be >= --max-num-seqs "
             f"({args.max_num_seqs}): every running request decodes one token a step"
         )
+    latency = load_latency_profile(args.latency_profile)
+    if args.cpu_bandwidth is not None:
+        latency = replace(latency, cpu_bandwidth_bytes_per_s=args.cpu_bandwidth * 1e9)
+    if args.cpu_blocks and latency.cpu_bandwidth_bytes_per_s is None:
+        raise ValueError(
+            f"--cpu-blocks needs a reload bandwidth: the latency profile {latency.name!r} has no cpu tier "
+            "(give --cpu-bandwidth, or a tiers.cpu entry in the profile)"
+        )
     trace, source, fmt = load_trace(args)
     if args.rate_scale != 1.0:
         stretched = scaled_span_error(trace, args.rate_scale, source)
@@ -318,9 +332,6 @@ def run_replay(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
     )
-    latency: str | LatencyProfile = args.latency_profile
-    if args.cpu_bandwidth is not None:
-        latency = replace(PROFILES[args.latency_profile], cpu_bandwidth_bytes_per_s=args.cpu_bandwidth * 1e9)
     cluster = ClusterConfig(
         pods=args.pods,
         engine=engine,
@@ -361,6 +372,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "latency_profile": args.latency_profile,
+        "latency_coefficients": asdict(latency),
         "version": _version(),
         "commit": commit,
         "dirty": dirty,

@@ -22,6 +22,7 @@ from typing import Any
 
 from simulator.engine import EngineConfig
 from simulator.latency import DEFAULT_PROFILE, PROFILES
+from simulator.latency_file import load_latency_profile
 from simulator.serving.config import KV_EVENTS_MODES, EngineServerConfig
 from simulator.serving.server import SimulatedEngineServer
 
@@ -66,7 +67,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument(
         "--cpu-blocks", type=_number(int, 0), default=0, help="CPU offload tier in blocks (0: none)"
     )
-    e.add_argument("--latency-profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    e.add_argument(
+        "--latency-profile",
+        default=DEFAULT_PROFILE,
+        help=f"step times: {', '.join(sorted(PROFILES))}, or a YAML file (a costModel.profiles entry, or an "
+        "EPP config) (default %(default)s)",
+    )
     e.add_argument("--kv-events-config", help="vLLM's JSON: endpoint, replay_endpoint, topic, buffer_steps")
     e.add_argument(
         "--kv-events-endpoint", help="ZeroMQ PUB endpoint, e.g. tcp://*:5557 (bind) or tcp://host:5557"
@@ -139,7 +145,7 @@ def config_from_args(args: argparse.Namespace) -> EngineServerConfig:
         port=args.port,
         tokenizer=Path(args.tokenizer) if args.tokenizer else None,
         engine=engine,
-        latency=args.latency_profile,
+        latency=load_latency_profile(args.latency_profile),
         kv_events_endpoint=endpoint,
         kv_replay_endpoint=replay,
         kv_topic=topic,

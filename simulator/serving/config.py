@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from simulator.engine import EngineConfig
-from simulator.latency import DEFAULT_PROFILE, latency_profile
+from simulator.latency import DEFAULT_PROFILE, LatencyProfile, latency_profile
 
 KvEventsMode = Literal["auto", "bind", "connect"]
 KV_EVENTS_MODES: tuple[str, ...] = ("auto", "bind", "connect")
@@ -43,7 +43,7 @@ class EngineServerConfig:
     port: int = 0
     tokenizer: Path | str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
-    latency: str = DEFAULT_PROFILE
+    latency: str | LatencyProfile = DEFAULT_PROFILE  # a name in `latency.PROFILES`, or a profile
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
     kv_topic: str = ""
@@ -65,10 +65,11 @@ class EngineServerConfig:
             return f"port must be in 0..65535, got {self.port}"
         if not self.host:
             return "host must not be empty"
-        try:
-            latency_profile(self.latency)
-        except ValueError as err:
-            return str(err)
+        if isinstance(self.latency, str):
+            try:
+                latency_profile(self.latency)
+            except ValueError as err:
+                return str(err)
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):
             return f"time_scale must be a finite number > 0, got {self.time_scale}"
         if self.default_max_tokens < 1:

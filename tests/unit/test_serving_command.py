@@ -80,7 +80,8 @@ BAD_FLAGS: list[tuple[list[str], str]] = [
     (["--port", "x"], "argument --port: not an integer"),
     (["--time-scale", "0"], "argument --time-scale: must be > 0"),
     (["--time-scale", "nan"], "argument --time-scale: must be > 0"),
-    (["--latency-profile", "gpu-9000"], "argument --latency-profile: invalid choice"),
+    (["--latency-profile", "gpu-9000"], "--latency-profile 'gpu-9000': not a known profile"),
+    (["--latency-profile", "/nonexistent/p.yaml"], "--latency-profile /nonexistent/p.yaml: cannot read"),
     (["--kv-events-mode", "both"], "argument --kv-events-mode: invalid choice"),
     (["--port", "70000"], "port must be in 0..65535"),
     (
