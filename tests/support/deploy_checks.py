@@ -89,6 +89,7 @@ API_VERSIONS = {
     "Gateway": f"{GATEWAY_GROUP}/v1",
     "HTTPRoute": f"{GATEWAY_GROUP}/v1",
     "GatewayClass": f"{GATEWAY_GROUP}/v1",
+    "ClientTrafficPolicy": "gateway.envoyproxy.io/v1alpha1",
 }
 
 
@@ -124,6 +125,11 @@ CRD_SHAPES: dict[str, dict[str, tuple[set[str], set[str]]]] = {
         "spec.rules[].timeouts": ({"request", "backendRequest"}, set()),
     },
     "GatewayClass": {"spec": ({"controllerName", "parametersRef", "description"}, {"controllerName"})},
+    # Envoy Gateway's api/v1alpha1 clienttrafficpolicy_types.go (only the parts used here are checked)
+    "ClientTrafficPolicy": {
+        "spec.targetRefs[]": ({"group", "kind", "name", "sectionName"}, {"group", "kind", "name"}),
+        "spec.headers.earlyRequestHeaders": ({"set", "add", "remove"}, set()),
+    },
 }
 
 
@@ -254,6 +260,12 @@ def crd_problems(objects: list[Obj]) -> list[str]:
                 for key, value in timeouts.items():
                     if not re.fullmatch(r"(\d+(h|m|s|ms))+", str(value)):
                         bad(f"{ident(obj)}: timeouts.{key}: {value!r} is not a Gateway API duration")
+        elif kind == "ClientTrafficPolicy":
+            for ref in _at(obj, "spec.targetRefs[]"):
+                if (ref.get("group"), ref.get("kind")) != (GATEWAY_GROUP, "Gateway") or ref.get(
+                    "name"
+                ) not in gateways:
+                    bad(f"{ident(obj)}: targetRef {ref} names no Gateway of this build")
         elif kind == "GatewayClass" and obj["spec"].get("controllerName") != ENVOY_GATEWAY_CONTROLLER:
             bad(f"{ident(obj)}: controllerName is not Envoy Gateway's")
     return problems
@@ -488,11 +500,44 @@ def check_discovery(s: Stack) -> None:
             for rule in (
                 r for role in find(s.objects, "Role", binding["roleRef"]["name"]) for r in role["rules"]
             ):
-                if {"get", "list", "watch"} <= set(rule["verbs"]):
+                if {"list", "watch"} <= set(rule["verbs"]):
                     granted |= {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
     for group, resource in (("", "pods"), (INFERENCE_GROUP, "inferencepools")):
         if (group, resource) not in granted:
-            s.bad(s.epp.obj, f"ServiceAccount {account} may not get/list/watch {resource}")
+            s.bad(s.epp.obj, f"ServiceAccount {account} may not list/watch {resource}")
+
+
+def check_shutdown(s: Stack) -> None:
+    """A replica that stops waits out preStop, then lets open streams run for --shutdown-grace: both inside
+    the termination grace period, and the grace at least the routes' request timeout (every response body
+    streams through the EPP, so a shorter grace cuts generations the route allows)."""
+    pod, grace = s.epp.pod, float(s.flags.shutdown_grace)
+    command = s.epp.box.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    pause = float(command[1]) if len(command) == 2 and command[0] == "sleep" else 0.0
+    period = pod.get("terminationGracePeriodSeconds", 30)
+    if pause + grace >= period:
+        s.bad(
+            s.epp.obj,
+            f"preStop ({pause:g} s) + --shutdown-grace ({grace:g} s) do not fit in "
+            f"terminationGracePeriodSeconds ({period})",
+        )
+    for route in find(s.objects, "HTTPRoute"):
+        for rule in route["spec"].get("rules", []):
+            timeout = _seconds(rule.get("timeouts", {}).get("request"))
+            if timeout is not None and grace < timeout:
+                s.bad(
+                    s.epp.obj,
+                    f"--shutdown-grace ({grace:g} s) is shorter than {ident(route)}'s request timeout "
+                    f"({timeout:g} s): a rollout would cut generations the route allows",
+                )
+
+
+def _seconds(duration: str | None) -> float | None:
+    """A Gateway API duration (`1h30m`, `300s`, `500ms`) in seconds."""
+    if duration is None:
+        return None
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(h|ms|m|s)", str(duration)))
 
 
 def check_pool(s: Stack) -> None:
@@ -640,6 +685,7 @@ def stack_problems(objects: list[Obj]) -> list[str]:
     cfg = check_config(s)
     check_ports(s)
     check_discovery(s)
+    check_shutdown(s)
     check_pool(s)
     check_kv_events(s)
     if cfg is not None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from epp import requests
 from epp.cli import build_parser
 from epp.kvindex.prompt import PromptTokenizer
 from epp.testing.tokenizer import build_tiny_tokenizer
@@ -35,6 +36,7 @@ from tests.support.deploy_checks import (
     all_problems,
     built,
     builtin_problems,
+    check_config,
     crd_problems,
     dashboard_problems,
     epp_series,
@@ -112,6 +114,32 @@ def _quantity(text: str | int) -> float:
     t = str(text)
     unit = next((u for u in sorted(units, key=len, reverse=True) if t.endswith(u)), "")
     return float(t[: len(t) - len(unit)]) * units.get(unit, 1)
+
+
+def test_production_strips_every_control_header_the_epp_reads_before_envoy_routes() -> None:
+    """A client must not pick its objective, model rewrite or fairness id: the production Gateway removes
+    them early (before the ext_proc filter), under every name the EPP reads, and the tenancy header when
+    the config uses one."""
+    prod = stack("overlays/production")
+    (policy,) = find(prod.objects, "ClientTrafficPolicy")
+    assert [r["name"] for r in policy["spec"]["targetRefs"]] == [
+        g["metadata"]["name"] for g in find(prod.objects, "Gateway")
+    ]
+    removed = set(policy["spec"]["headers"]["earlyRequestHeaders"]["remove"])
+    control = {
+        requests.OBJECTIVE_HEADER,
+        requests.GIE_OBJECTIVE_HEADER,
+        requests.MODEL_REWRITE_HEADER,
+        requests.GIE_MODEL_REWRITE_HEADER,
+        requests.FAIRNESS_HEADER,
+        requests.GIE_FAIRNESS_HEADER,
+    }
+    assert control <= set(requests.HEADERS_OF_INTEREST)  # (the names the EPP reads)
+    cfg = check_config(prod)
+    assert cfg is not None
+    tenant = {cfg.tenancy.header} if cfg.tenancy is not None else set()
+    assert removed == control | tenant
+    assert find(stack("base").objects, "ClientTrafficPolicy") == []  # (base: no Envoy Gateway CRD assumed)
 
 
 def test_dev_runs_on_a_cluster_without_gpus_or_secrets() -> None:
@@ -315,10 +343,22 @@ def test_dockerfile_matches_the_cli_and_the_manifests() -> None:
             "Service/epp: port metrics is 9091 but reaches 9090: headless Services do not map",
         ),
         (
+            "base/epp-deployment.yaml",
+            "--shutdown-grace=300s",
+            "--shutdown-grace=60s",
+            "Deployment/epp: --shutdown-grace (60 s) is shorter than HTTPRoute/vllm-llama3-8b's request",
+        ),
+        (
+            "base/epp-deployment.yaml",
+            "terminationGracePeriodSeconds: 330",
+            "terminationGracePeriodSeconds: 300",
+            "Deployment/epp: preStop (15 s) + --shutdown-grace (300 s) do not fit in termination",
+        ),
+        (
             "base/epp-rbac.yaml",
             'resources: ["inferencepools"]',
             'resources: ["inferencepool"]',
-            "Deployment/epp: ServiceAccount epp may not get/list/watch inferencepools",
+            "Deployment/epp: ServiceAccount epp may not list/watch inferencepools",
         ),
         (
             "base/httproute.yaml",
