@@ -9,6 +9,10 @@
 3. Seeds: the same workload at the highest rate, where the cluster's KV runs at its limit and one
    seed's table can flatter or wrong a policy, for `--seeds` seeds (trace and cluster) and the
    policies of `--seed-policies`: TTFT mean and p99 and the requests that waited over 3 s, per seed.
+4. Agentic: growing tool loops on tight KV (200 loops of 8 steps, 2,000-token system prompt, 500-token
+   task, 300-token tool results, 150-token outputs; 8 pods of 4,096 blocks, 4 loops/s), where one hot
+   pod decides the tail: TTFT mean / p99 / hit rate per seed for `--agentic-seeds` seeds and the
+   policies of `--agentic-policies`, with the averages over the seeds.
 
   python benchmarks/sim_speed.py [--requests 12000] [--rates 3,10,30] [--seeds 5] [--skip-comparison]
 """
@@ -26,7 +30,7 @@ from simulator import policies
 from simulator.cluster import Cluster, ClusterConfig
 from simulator.engine import EngineConfig
 from simulator.replay import replay
-from simulator.traces import multi_turn, shared_prefix
+from simulator.traces import agentic, multi_turn, shared_prefix
 
 
 def speed(requests: int) -> None:
@@ -84,12 +88,34 @@ def seed_spread(rate: float, seeds: int, names: list[str]) -> None:
         print(f"| {seed} | " + " | ".join(cells) + " |", flush=True)
 
 
+def agentic_seeds(seeds: int, names: list[str]) -> None:
+    print(f"\nagentic workload (200 loops x 8 steps, 8 pods of 4,096 blocks, 4 loops/s), seeds 1-{seeds}")
+    print("| seed | " + " | ".join(f"{n}: TTFT mean / p99 / hit rate" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    sums = {n: [0.0, 0.0] for n in names}
+    for seed in range(1, seeds + 1):
+        cluster = ClusterConfig(pods=8, engine=EngineConfig(num_gpu_blocks=4096), seed=seed)
+        result = replay(agentic(200, 8, 2000, 500, 300, 150, rate=4, seed=seed), names, cluster)
+        cells = []
+        for name in names:
+            s = result.summary[name]
+            sums[name][0] += s["ttft_mean_s"] / seeds
+            sums[name][1] += s["ttft_p99_s"] / seeds
+            mean, p99, hit = s["ttft_mean_s"] * 1e3, s["ttft_p99_s"] * 1e3, s["token_hit_rate"]
+            cells.append(f"{mean:.1f} ms / {p99:.0f} ms / {hit:.1%}")
+        print(f"| {seed} | " + " | ".join(cells) + " |", flush=True)
+    means = " | ".join(f"{m * 1e3:.1f} ms / {p * 1e3:.0f} ms" for m, p in sums.values())
+    print(f"| mean of seeds | {means} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--rates", default="3,10,30")
     ap.add_argument("--seeds", type=int, default=5, help="seeds of part 3 (0: skip it)")
     ap.add_argument("--seed-policies", default="ttft,gie-default,llm-d-precise")
+    ap.add_argument("--agentic-seeds", type=int, default=8, help="seeds of part 4 (0: skip it)")
+    ap.add_argument("--agentic-policies", default="ttft,gie-default")
     ap.add_argument("--skip-comparison", action="store_true")
     args = ap.parse_args()
     speed(args.requests)
@@ -98,6 +124,8 @@ def main() -> None:
         comparison(rates)
         if args.seeds > 0:
             seed_spread(max(rates), args.seeds, args.seed_policies.split(","))
+        if args.agentic_seeds > 0:
+            agentic_seeds(args.agentic_seeds, args.agentic_policies.split(","))
 
 
 if __name__ == "__main__":

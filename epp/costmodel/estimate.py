@@ -16,7 +16,11 @@
   tier's bandwidth, or recomputed, whichever is cheaper: the estimate tries "reload nothing",
   "reload the next tier's blocks", ... in tier order and keeps the smallest total.
 - **decode**: interference from requests decoding on the pod, for each engine step the
-  queued and own prefill spans (`max_batched_tokens` per step, chunked prefill).
+  queued and own prefill spans (`max_batched_tokens` per step, chunked prefill); and, when nothing
+  is queued there but requests decode, half of the decode step in progress (`decode_fixed` + the
+  batch's per-sequence and per-context-token cost): a pod that decodes is always mid-step, and a
+  request arriving at a random moment waits on average half a step before its prefill can start.
+  (With a backlog the step in progress is one of the backlog's, counted whole in the queue.)
 
 vLLM always computes at least the prompt's last token and hits whole blocks, so at most
 `floor((prompt_tokens - 1) / block_size) * block_size` tokens count as cached. The arithmetic
@@ -242,6 +246,8 @@ def _estimate(
         out[1, i] = best_prefill
         out[2, i] = best_reload
         out[3, i] = steps * (d_seq * seqs + d_ctx * context)
+        if seqs > 0 and own_tok == 0 and unknown_waiting == 0:  # the step in progress: half of it
+            out[3, i] = out[3, i] + 0.5 * (d_fixed + d_seq * seqs + d_ctx * context)
         out[4, i] = best_cached
         out[5, i] = best_cached - min(gpu_cached, best_cached)
         out[6, i] = queue_nominal

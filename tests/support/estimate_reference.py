@@ -120,6 +120,9 @@ def reference_estimate_all(
         queue_nominal = queue_nominal + np.where(short, p.kv_wait_steps * step, 0.0)
     steps = np.maximum(np.ceil((own_tok + unknown_waiting * unk + uncached) / p.max_batched_tokens), 1.0)
     decode = steps * (p.decode_per_sequence_s * seqs + p.decode_per_context_token_s * context)
+    idle_queue = (seqs > 0) & (own_tok == 0) & (unknown_waiting == 0)
+    step_now = p.decode_fixed_s + p.decode_per_sequence_s * seqs + p.decode_per_context_token_s * context
+    decode = np.where(idle_queue, decode + 0.5 * step_now, decode)
     return EstimateTable(
         [e.id for e in endpoints],
         n,

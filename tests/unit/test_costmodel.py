@@ -252,6 +252,30 @@ def test_decode_interference_counts_own_and_unknown_running_requests_per_prefill
     assert estimate_ttft(P, endpoint("a:1", running=0), prompt).decode_s == 0.0
 
 
+def test_a_decoding_pod_with_nothing_queued_adds_half_the_decode_step_in_progress() -> None:
+    """A pod that decodes is always mid-step: an arrival waits about half a step before its prefill. With
+    a backlog (own or unknown waiting requests) the step in progress is the backlog's, counted whole."""
+    prompt = 2_000
+    steps = math.ceil(prompt / P.max_batched_tokens)
+    per_step = P.decode_per_sequence_s * 5 + P.decode_per_context_token_s * 4000
+    busy = estimate_ttft(P, endpoint("a:1", running=5, decoding=5, decoding_tokens=4000), prompt)
+    assert busy.decode_s == pytest.approx(steps * per_step + 0.5 * P.decode_step_s(5, 4000))
+    backlog = estimate_ttft(
+        P, endpoint("a:1", running=5, decoding=5, decoding_tokens=4000, backlog=P.work(500, 0)), prompt
+    )
+    assert backlog.decode_s == pytest.approx(math.ceil((500 + prompt) / P.max_batched_tokens) * per_step)
+    waiting = estimate_ttft(
+        P, endpoint("a:1", running=5, waiting=1, decoding=5, decoding_tokens=4000), prompt
+    )
+    unk = P.unknown_request_tokens
+    assert waiting.decode_s == pytest.approx(math.ceil((unk + prompt) / P.max_batched_tokens) * per_step)
+    idle = estimate_ttft(P, endpoint("a:1"), prompt)
+    assert idle.decode_s == 0.0
+    # the half step makes the busier of two otherwise equal pods the slower one
+    quieter = estimate_ttft(P, endpoint("a:1", running=2, decoding=2, decoding_tokens=4000), prompt)
+    assert quieter.ttft_s < busy.ttft_s
+
+
 def test_kv_wait_is_added_only_when_free_kv_cannot_hold_the_uncached_prompt() -> None:
     unk = P.unknown_request_tokens
 
