@@ -96,6 +96,9 @@ def registry_metrics(registry: CollectorRegistry) -> dict[str, MetricInfo]:
     """
     out: dict[str, MetricInfo] = {}
     for collector in list(registry._collector_to_names):
+        if isinstance(collector, CollectorRegistry):  # a registry registered in another (`EppMetrics`)
+            out.update(registry_metrics(collector))
+            continue
         if isinstance(collector, MetricWrapperBase):
             labels = frozenset(collector._labelnames)
             families = collector.describe()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -68,6 +70,9 @@ class AdminServer:
                 self.app.router.add_get("/debug/decisions", self._decisions)
         self._runner: web.AppRunner | None = None
         self.port = 0
+        # /metrics is rendered here, off the event loop (one thread: concurrent scrapes queue, they do
+        # not compete with the loop for the GIL side by side)
+        self._render = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-metrics-render")
 
     async def start(self, host: str, port: int) -> int:
         self._runner = web.AppRunner(self.app, access_log=None)
@@ -83,9 +88,16 @@ class AdminServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self._render.shutdown(wait=False, cancel_futures=True)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
+        """Rendering a large exposition takes long (seconds for tens of thousands of series), so it runs in
+        a thread, and the loop goes on routing requests meanwhile. The collectors that read loop-owned
+        state (datastore records, cost model, KV index) are collected here first, on the loop, where
+        that state is never mid-change; the thread renders their families and the thread-safe
+        prometheus_client metrics (`EppMetrics.exposition`)."""
+        exposition = self.metrics.exposition()
+        body = await asyncio.get_running_loop().run_in_executor(self._render, generate_latest, exposition)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:

@@ -133,7 +133,7 @@ class EppServer:
         self.subscriber = (
             KvEventSubscriber(self.datastore, self.ingest, self.clock, kv) if kv.mode != "off" else None
         )
-        self.metrics.registry.register(
+        self.metrics.attach_live(
             KvIndexCollector(
                 self.kv,
                 self.ingest,

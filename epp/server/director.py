@@ -35,6 +35,7 @@ from epp.scheduling.errors import NoEndpointsError
 from epp.scheduling.scheduler import Scheduler
 from epp.server.decisions import DecisionLog
 from epp.server.metrics import EppMetrics
+from epp.server.model_labels import MAX_MODEL_LABELS, OTHER_MODEL, ModelLabels
 from epp.server.tokenizing import PromptTokenizing
 from epp.tenancy import TenantSalter
 from epp.types import NO_WORK, Decision, Endpoint, InferenceRequest, TtftEstimate
@@ -42,11 +43,6 @@ from epp.usage import Usage
 
 log = logging.getLogger("epp.director")
 
-MAX_MODEL_LABELS = 256
-"""Distinct model names the request metrics are labelled with; a model past that (or a name longer
-than MAX_MODEL_LABEL_CHARS) is counted as OTHER_MODEL, so clients cannot grow the metrics without bound."""
-MAX_MODEL_LABEL_CHARS = 256
-OTHER_MODEL = "other"
 FAILURE_LOG_EVERY_S = 30.0
 """Bookkeeping failures on the response path are logged at most this often (all are counted)."""
 # The rewrite header names the model the request goes to the model server as: the body's `model` is
@@ -76,6 +72,9 @@ class RoutedRequest:
     first_byte_at: float | None = None
     body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
     incoming_model: str | None = None  # the client's model when the rewrite header or a rule replaced it
+    # (model_name, target_model_name) of its request metrics, taken once when it was routed: a name's
+    # label may change while it is in flight (a pod that serves it appears), the running gauge must not
+    labels: tuple[str, str] = (OTHER_MODEL, OTHER_MODEL)
     observable: bool = False  # its first response byte will be its first token (streamed both ways)
     served: str | None = None  # the endpoint Envoy reports it used, when it says
     stream_error: str | None = None  # a 2xx stream's error event, as its `error_code` (`on_stream_error`)
@@ -119,33 +118,46 @@ class Director:
         self.decisions = decisions
         self.decision_header = decision_header
         self.tokenizing = tokenizing  # long prompts tokenized in a worker thread between parse and route
+        # The request metrics' model labels, bounded (`model_labels`); the names the rewrite rules name are
+        # the operator's, as are served models and objectives.
+        self.labels = ModelLabels(self._known_model)
+        self._rule_models: frozenset[str] = frozenset()
         # InferenceModelRewrite rules in force (set by the rewrite watcher), the generator of their
         # weighted picks, and the decisions taken: (model_rewrite_name, model_name, target_model) -> count,
-        # the labels of the reference's model_rewrite_decisions_total (model names bounded by model_label).
-        self.model_rewrites: RewriteTable = NO_REWRITES
+        # the labels of the reference's model_rewrite_decisions_total (model names bounded by `labels`).
+        self._model_rewrites: RewriteTable = NO_REWRITES
         self.rewrite_rng = rewrite_rng if rewrite_rng is not None else random.Random()
         self.rewrite_decisions: Counter[tuple[str, str, str]] = Counter()
-        self._model_labels: dict[str, str] = {}
         self._failure_logged_at = -math.inf
         self._failures_unlogged = 0
         self._subset_logged_at = -math.inf
         self._subsets_unlogged = 0
 
-    def model_label(self, model: str) -> str:
-        """The metrics label for a request's model: itself, or OTHER_MODEL once MAX_MODEL_LABELS names
-        are taken (a name keeps the label it got first, so in-flight gauges go back to zero)."""
-        label = self._model_labels.get(model)
-        if label is None:
-            if len(self._model_labels) >= MAX_MODEL_LABELS or len(model) > MAX_MODEL_LABEL_CHARS:
-                return OTHER_MODEL
-            label = self._model_labels[model] = model
-        return label
+    @property
+    def model_rewrites(self) -> RewriteTable:
+        return self._model_rewrites
+
+    @model_rewrites.setter
+    def model_rewrites(self, table: RewriteTable) -> None:
+        """New rules: the names and (model, target) pairs they name get their own metric labels."""
+        self._model_rewrites = table
+        rules = [*table.exact.values(), *([table.generic] if table.generic is not None else [])]
+        targets = {t.model for rule in rules for t in rule.targets}
+        self._rule_models = frozenset(table.exact) | targets
+        self.labels.set_rule_pairs(
+            {(model, t.model) for model, rule in table.exact.items() for t in rule.targets}
+        )
+
+    def _known_model(self, name: str) -> bool:
+        """A name the operator put there (never spends a label slot): an objective's, one the rewrite
+        rules name, one the pool serves."""
+        return name in self.objectives or name in self._rule_models or name in self.datastore.served_models()
 
     def model_labels(self, request: InferenceRequest, incoming_model: str | None) -> tuple[str, str]:
         """The request metrics' (model_name, target_model_name), as the reference has them: the client's
         model and the one it goes to the model server as (they differ when the rewrite header rewrites)."""
-        target = self.model_label(request.model)
-        return (target if incoming_model is None else self.model_label(incoming_model)), target
+        target = request.model
+        return self.labels.pair(target if incoming_model is None else incoming_model, target)
 
     def route(
         self,
@@ -201,7 +213,7 @@ class Director:
             hit = self.model_rewrites.rewrite(model, self.rewrite_rng)
             if hit is not None:
                 rule, target = hit
-                decision = (rule.source, self.model_label(model), self.model_label(target))
+                decision = (rule.source, *self.labels.pair(model, target))
         if target is None or target == model:
             return None, decision
         doc["model"] = target
@@ -245,6 +257,7 @@ class Director:
             t1,
             body=new_body,
             incoming_model=parsed.incoming_model,
+            labels=(model, target),
             observable=observable,
         )
 
@@ -281,8 +294,7 @@ class Director:
     def reject(self, status: int, code: str, model: str = "") -> None:
         self.metrics.rejections(str(status), code).inc()
         if model:
-            label = self.model_label(model)
-            self.metrics.request_errors(label, label, code).inc()
+            self.metrics.request_errors(*self.labels.pair(model, model), code).inc()
 
     def _calibration_used(self, model: str, decision: Decision) -> dict[str, float]:
         """The cost model's coefficients this decision's estimates were computed with (none without
@@ -315,8 +327,7 @@ class Director:
         routed.status = status
         if not 200 <= status < 300:
             self.metrics.backend_errors(routed.endpoint, str(status)).inc()
-            model, target = self.model_labels(routed.request, routed.incoming_model)
-            self.metrics.request_errors(model, target, f"ModelServerError{status}").inc()
+            self.metrics.request_errors(*routed.labels, f"ModelServerError{status}").inc()
 
     def on_stream_error(self, routed: RoutedRequest, code: str) -> None:
         """A stream that started with a 2xx status carried an error event (`UsageReader.error`; vLLM and
@@ -328,8 +339,7 @@ class Director:
         if routed.status is not None and not 200 <= routed.status < 300:
             return
         routed.stream_error = code
-        model, target = self.model_labels(routed.request, routed.incoming_model)
-        self.metrics.request_errors(model, target, code).inc()
+        self.metrics.request_errors(*routed.labels, code).inc()
 
     def on_first_byte(self, routed: RoutedRequest) -> None:
         if routed.first_byte_at is not None:
@@ -360,7 +370,7 @@ class Director:
         if not self.datastore.release(routed.ticket):
             return
         m = self.metrics
-        model, target = self.model_labels(routed.request, routed.incoming_model)
+        model, target = routed.labels
         m.released(cause).inc()
         m.running(model).dec()
         m.request_duration(model, target).observe(self.clock.now() - routed.routed_at)
@@ -416,4 +426,4 @@ def _header_target(headers: Mapping[str, str], doc: dict[str, Any]) -> str | Non
     return target
 
 
-__all__ = ["Director", "RequestError", "RoutedRequest"]
+__all__ = ["MAX_MODEL_LABELS", "OTHER_MODEL", "Director", "RequestError", "RoutedRequest"]

@@ -2,15 +2,22 @@
 
 Names follow the reference EPP where the meaning matches (`inference_objective_*`,
 `inference_pool_*`, `inference_extension_*`); ours are prefixed `epp_`.
+
+Two kinds of collectors, because `/metrics` is rendered off the event loop (`EppMetrics.exposition`):
+the prometheus_client metrics (counters, gauges, histograms: each guards its values with a lock, so any
+thread may collect them), and the "live" collectors that compute families at scrape time from state the
+event loop owns and mutates without locks (the datastore's records, the cost model's calibrators, the KV
+index and its counters). The live ones are collected on the loop, into families that are then only
+read; the thread renders those and collects the thread-safe ones itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from epp.clock import Clock
@@ -166,11 +173,29 @@ class _CostModelCollector(Collector):
         yield from (prefill, queue, per_token, observed)
 
 
+class Exposition(Collector):
+    """What one `/metrics` answer renders: the thread-safe metrics, collected by whichever thread renders,
+    and the live collectors' families, collected earlier on the event loop."""
+
+    def __init__(self, threadsafe: CollectorRegistry, live: Sequence[Metric]) -> None:
+        self.threadsafe = threadsafe
+        self.live = live
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.threadsafe.collect()
+        yield from self.live
+
+
 class EppMetrics:
-    """Every metric the server records. Labelled ones are `Children`: call with label values."""
+    """Every metric the server records. Labelled ones are `Children`: call with label values.
+
+    `registry` holds everything (read it on the event loop: tests, `epp.docs_reference`); it holds
+    `threadsafe`, where the prometheus_client metrics are, and the live collectors (`attach_live`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = r = registry or CollectorRegistry(auto_describe=True)
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.threadsafe = r = CollectorRegistry(auto_describe=True)
+        self._live: list[Collector] = []
         models = ["model_name", "target_model_name"]
 
         def counter(name: str, doc: str, labels: list[str]) -> Children[Counter]:
@@ -299,15 +324,26 @@ class EppMetrics:
             "1 once the InferencePool (if any) and its pods have been listed",
             registry=r,
         )
+        self.registry.register(self.threadsafe)
+
+    def attach_live(self, collector: Collector) -> None:
+        """A collector that reads state the event loop owns at scrape time: collected on the loop only."""
+        self.registry.register(collector)
+        self._live.append(collector)
 
     def attach_pool(self, datastore: Datastore, clock: Clock, pool_name: str) -> None:
-        self.registry.register(_PoolCollector(datastore, clock, pool_name))
+        self.attach_live(_PoolCollector(datastore, clock, pool_name))
 
     def attach_cost_model(self, cost: CostModel) -> None:
-        self.registry.register(_CostModelCollector(cost))
+        self.attach_live(_CostModelCollector(cost))
 
     def attach_tokenizing(self, tokenizing: PromptTokenizing | None) -> None:
-        self.registry.register(_TokenizingCollector(tokenizing))
+        self.attach_live(_TokenizingCollector(tokenizing))
+
+    def exposition(self) -> Exposition:
+        """Call on the event loop: the live collectors are collected now (their families are plain data
+        from then on); render the result in any thread (`generate_latest`)."""
+        return Exposition(self.threadsafe, [fam for c in self._live for fam in c.collect()])
 
     # ScrapeObserver
     def on_scrape(self, endpoint_id: str, ok: bool, error_kind: str | None, seconds: float) -> None:
