@@ -49,7 +49,7 @@ def watcher_for(
     settings: DiscoverySettings,
     *,
     observer: DiscoveryObserver | None = None,
-    on_change: Callable[[], None] | None = None,
+    on_change: Callable[[set[str]], None] | None = None,
 ) -> PodTracker:
     """The watcher `settings` ask for: `SelectorWatcher` in selector mode, else `PoolWatcher`."""
     cls = SelectorWatcher if settings.selector_mode else PoolWatcher

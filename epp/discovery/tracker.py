@@ -53,8 +53,9 @@ class PodTracker(ListWatcher):
         settings: DiscoverySettings,
         *,
         observer: DiscoveryObserver | None = None,
-        on_change: Callable[[], None] | None = None,
+        on_change: Callable[[set[str]], None] | None = None,
     ) -> None:
+        """`on_change(removed)`: the endpoint set changed; `removed` are the ids that left it."""
         super().__init__(settings, observer)
         self.datastore = datastore
         self.on_change = on_change
@@ -212,7 +213,7 @@ class PodTracker(ListWatcher):
             self.observer.on_discovery_endpoints(len(endpoints), self.synced)
         if (added or removed) and self.on_change is not None:
             try:
-                self.on_change()
+                self.on_change(removed)
             except Exception:
                 log.exception("discovery: endpoint-set listener failed")
 

@@ -254,8 +254,11 @@ class EppServer:
         """What the readiness services answer (`epp.server.readiness`)."""
         return self.readiness.is_ready()
 
-    def _follow_endpoints(self) -> None:
-        """Discovery changed the endpoint set: scrape and subscribe (or stop) now, not at the next tick."""
+    def _follow_endpoints(self, removed: set[str]) -> None:
+        """Discovery changed the endpoint set: the metrics of those that left go, and scraping and
+        subscribing follow now, not at the next tick. (Static endpoints never leave.)"""
+        for endpoint_id in removed:
+            self.metrics.forget_endpoint(endpoint_id)
         if not self._sources_started:
             return
         if self.scraper is not None:

@@ -326,7 +326,8 @@ class Director:
     def on_response_status(self, routed: RoutedRequest, status: int) -> None:
         routed.status = status
         if not 200 <= status < 300:
-            self.metrics.backend_errors(routed.endpoint, str(status)).inc()
+            if self._in_pool(routed):
+                self.metrics.backend_errors(routed.endpoint, str(status)).inc()
             self.metrics.request_errors(*routed.labels, f"ModelServerError{status}").inc()
 
     def on_stream_error(self, routed: RoutedRequest, code: str) -> None:
@@ -346,7 +347,8 @@ class Director:
             return
         routed.first_byte_at = now = self.clock.now()
         elapsed = now - routed.routed_at
-        self.metrics.ttfb(routed.endpoint).observe(elapsed)
+        if self._in_pool(routed):
+            self.metrics.ttfb(routed.endpoint).observe(elapsed)
         # Only a streamed, successful response's first byte is its first token, and only the
         # primary's estimate predicts it (Envoy may have fallen back to another endpoint).
         calibrate = (
@@ -374,15 +376,24 @@ class Director:
         m.released(cause).inc()
         m.running(model).dec()
         m.request_duration(model, target).observe(self.clock.now() - routed.routed_at)
-        if usage_invalid:
-            m.usage_invalid(routed.endpoint).inc()
+        ep = routed.endpoint
+        in_pool = self._in_pool(routed)
+        if usage_invalid and in_pool:
+            m.usage_invalid(ep).inc()
         if usage is not None:
-            ep = routed.endpoint
             m.input_tokens(model, target).observe(usage.prompt_tokens)
             m.output_tokens(model, target).observe(usage.completion_tokens)
+        if usage is not None and in_pool:
             m.usage_tokens(ep, "prompt").inc(usage.prompt_tokens)
             m.usage_tokens(ep, "cached").inc(usage.cached_tokens)
             m.usage_tokens(ep, "completion").inc(usage.completion_tokens)
+
+    def _in_pool(self, routed: RoutedRequest) -> bool:
+        """Per-endpoint figures of a response that ends after its endpoint left the pool are dropped:
+        its series were removed (`EppMetrics.forget_endpoint`) and must not come back for a stray, nor
+        go to the endpoint's next incarnation (the same address added again since it was routed)."""
+        rec = self.datastore.get(routed.endpoint)
+        return rec is not None and rec.added_at <= routed.routed_at
 
     def bookkeeping_failed(self, where: str) -> None:
         """An unexpected exception in response-side bookkeeping (call from an `except` block): counted,

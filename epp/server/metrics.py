@@ -43,6 +43,12 @@ class Children(Generic[M]):
             child = self._cache[labels] = self.metric.labels(*labels)
         return child
 
+    def forget(self, first: str) -> None:
+        """Remove every series whose first label value is `first` (all were created through here)."""
+        for labels in [k for k in self._cache if k[0] == first]:
+            del self._cache[labels]
+            self.metric.remove(*labels)
+
 
 _LATENCY_BUCKETS = (
     0.00005,
@@ -325,6 +331,16 @@ class EppMetrics:
             registry=r,
         )
         self.registry.register(self.threadsafe)
+        # labelled by endpoint first: removed when the endpoint leaves the pool (`forget_endpoint`)
+        self._per_endpoint: tuple[Children[Counter] | Children[Histogram], ...] = (
+            self.picks,
+            self.ttfb,
+            self.usage_tokens,
+            self.usage_invalid,
+            self.backend_errors,
+            self.scrapes,
+            self.scrape_errors,
+        )
 
     def attach_live(self, collector: Collector) -> None:
         """A collector that reads state the event loop owns at scrape time: collected on the loop only."""
@@ -344,6 +360,12 @@ class EppMetrics:
         """Call on the event loop: the live collectors are collected now (their families are plain data
         from then on); render the result in any thread (`generate_latest`)."""
         return Exposition(self.threadsafe, [fam for c in self._live for fam in c.collect()])
+
+    def forget_endpoint(self, endpoint_id: str) -> None:
+        """The endpoint left the pool: its series go, so a pool whose pods come and go (every rollout
+        gives new IPs) does not keep every endpoint it ever had; one that comes back starts from zero."""
+        for children in self._per_endpoint:
+            children.forget(endpoint_id)
 
     # ScrapeObserver
     def on_scrape(self, endpoint_id: str, ok: bool, error_kind: str | None, seconds: float) -> None:

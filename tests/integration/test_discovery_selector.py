@@ -65,7 +65,9 @@ async def watching(api: FakeKubeApi, tmp_path: pathlib.Path, **kw: Any) -> Async
     ds = Datastore(MonotonicClock())
     snapshots: list[set[str]] = []
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
-    w = SelectorWatcher(ds, settings_for(kubeconfig, **kw), on_change=lambda: snapshots.append(set(ds.ids())))
+    w = SelectorWatcher(
+        ds, settings_for(kubeconfig, **kw), on_change=lambda _removed: snapshots.append(set(ds.ids()))
+    )
     assert not w.ready
     await w.start()
     try:

@@ -69,7 +69,9 @@ async def watching(api: FakeKubeApi, tmp_path: pathlib.Path, **kw: Any) -> Async
     ds = Datastore(MonotonicClock())
     snapshots: list[set[str]] = []
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
-    w = PoolWatcher(ds, settings_for(kubeconfig, **kw), on_change=lambda: snapshots.append(set(ds.ids())))
+    w = PoolWatcher(
+        ds, settings_for(kubeconfig, **kw), on_change=lambda _removed: snapshots.append(set(ds.ids()))
+    )
     await w.start()
     try:
         yield Rig(api, w, ds, snapshots)
@@ -458,3 +460,39 @@ async def test_the_server_follows_the_pool_and_drains_departed_pods_from_the_ind
         await epp.stop(grace=0.2)
         for p in pubs.values():
             await p.stop()
+
+
+async def test_the_metrics_of_a_pod_that_leaves_the_pool_go_with_it(
+    api: FakeKubeApi, tmp_path: pathlib.Path
+) -> None:
+    port = free_port()
+    a, b = f"{HOSTS['a']}:{port}", f"{HOSTS['b']}:{port}"
+    api.add_pool(POOL, APP, [port])
+    api.add_pod("a", HOSTS["a"], APP)
+    api.add_pod("b", HOSTS["b"], APP)
+    settings = ServerSettings.loopback(
+        refresh_metrics_interval=0,
+        pool_name=POOL,
+        discovery=settings_for(api.write_kubeconfig(tmp_path / "kubeconfig")),
+    )
+    epp = EppServer(settings, parse_config(NO_STALENESS_FILTER, "no-filter.yaml"))
+    await epp.start()
+    picks = "epp_picks_total"
+    try:
+        async with aiohttp.ClientSession() as session:
+            await eventually(lambda: set(epp.datastore.ids()) == {a, b}, "a and b discovered")
+            for ep in (a, b, a):  # what the request path and the scraper record per endpoint
+                epp.metrics.picks(ep, "default", "scored").inc()
+                epp.metrics.on_scrape(ep, False, "timeout", 0.1)
+            api.delete_pod("a")
+            await eventually(lambda: set(epp.datastore.ids()) == {b}, "a left")
+            _, text = await get(session, epp, "/metrics")
+            assert f'"{a}"' not in text
+            assert f'{picks}{{endpoint="{b}",profile="default",reason="scored"}} 1.0' in text
+            api.add_pod("a", HOSTS["a"], APP)  # back, at the same address
+            await eventually(lambda: set(epp.datastore.ids()) == {a, b}, "a back")
+            epp.metrics.picks(a, "default", "scored").inc()
+            _, text = await get(session, epp, "/metrics")
+            assert f'{picks}{{endpoint="{a}",profile="default",reason="scored"}} 1.0' in text
+    finally:
+        await epp.stop(grace=0.2)
