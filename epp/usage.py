@@ -32,11 +32,12 @@ event, not as a status, once the 200 is out.
   vllm/entrypoints/openai/responses/serving.py (`responses_stream_generator`) builds the event for a
   `GenerationError` from the same `{"error": {...}}` JSON as above.
 
-`error_code`: `ModelServerError<code>` when the error's `code` is an HTTP status (400..599), as for a
-non-2xx response, else `ModelServerError` (no code, or a string one: a fixed label, so a model server
-cannot grow the metric's series). Only `data:` lines with the bytes `"error"` or `response.failed`
-(or in an `event: error` / `event: response.failed`) are decoded for it: the per-chunk cost stays a
-substring search. The first error wins; a stream that errs before any output has no first token.
+`error_code` (the label of `epp_stream_errors_total`): `ModelServerError<code>` when the error's
+`code` is an HTTP status (400..599), else `ModelServerError` (no code, or a string one: a fixed label,
+so a model server cannot grow the metric's series). Only `data:` lines with the bytes `"error"` or
+`response.failed` (or in an `event: error` / `event: response.failed`) are decoded for it: the
+per-chunk cost stays a substring search. The first error wins; a stream that errs before any output
+has no first token.
 """
 
 from __future__ import annotations

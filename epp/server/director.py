@@ -43,6 +43,10 @@ from epp.usage import Usage
 
 log = logging.getLogger("epp.director")
 
+MODEL_SERVER_ERROR = "ModelServerError"
+"""The request errors' `error_code` of a model server's error, whatever its status (the reference's
+`errutil.ModelServerError`); the status is in `epp_backend_errors_total`, a stream error event's code in
+`epp_stream_errors_total`."""
 FAILURE_LOG_EVERY_S = 30.0
 """Bookkeeping failures on the response path are logged at most this often (all are counted)."""
 # The rewrite header names the model the request goes to the model server as: the body's `model` is
@@ -291,10 +295,14 @@ class Director:
             skipped,
         )
 
-    def reject(self, status: int, code: str, model: str = "") -> None:
+    def reject(self, status: int, code: str, parsed: ParsedRequest | None = None) -> None:
+        """The EPP answers the request itself. Counted in the request errors too, under the request's
+        model with the EPP's code (as the reference counts its errors), when its body had been read
+        (`parsed`): one refused before that has no model to count it under."""
         self.metrics.rejections(str(status), code).inc()
-        if model:
-            self.metrics.request_errors(*self.labels.pair(model, model), code).inc()
+        if parsed is not None:
+            labels = self.model_labels(parsed.request, parsed.incoming_model)
+            self.metrics.request_errors(*labels, code).inc()
 
     def _calibration_used(self, model: str, decision: Decision) -> dict[str, float]:
         """The cost model's coefficients this decision's estimates were computed with (none without
@@ -328,19 +336,22 @@ class Director:
         if not 200 <= status < 300:
             if self._in_pool(routed):
                 self.metrics.backend_errors(routed.endpoint, str(status)).inc()
-            self.metrics.request_errors(*routed.labels, f"ModelServerError{status}").inc()
+            self.metrics.request_errors(*routed.labels, MODEL_SERVER_ERROR).inc()
 
     def on_stream_error(self, routed: RoutedRequest, code: str) -> None:
         """A stream that started with a 2xx status carried an error event (`UsageReader.error`; vLLM and
-        SGLang send `data: {"error": {...}}` once the 200 is out): counted once in the request errors
-        under `code`, as a non-2xx status is; its end is then released as `error`, and its first token
-        (if it comes after) calibrates nothing. A non-2xx response was counted by its status already."""
+        SGLang send `data: {"error": {...}}` once the 200 is out): counted once in the request errors as
+        a non-2xx status is, and under `code` per endpoint; its end is then released as `error`, and its
+        first token (if it comes after) calibrates nothing. A non-2xx response was counted by its status
+        already."""
         if routed.stream_error is not None:
             return
         if routed.status is not None and not 200 <= routed.status < 300:
             return
         routed.stream_error = code
-        self.metrics.request_errors(*routed.labels, code).inc()
+        self.metrics.request_errors(*routed.labels, MODEL_SERVER_ERROR).inc()
+        if self._in_pool(routed):
+            self.metrics.stream_errors(routed.endpoint, code).inc()
 
     def on_first_byte(self, routed: RoutedRequest) -> None:
         if routed.first_byte_at is not None:

@@ -196,10 +196,10 @@ class RequestStream:
                 try:
                     self.director.precheck(parsed, self._allowed())  # refused anyway: not worth tokenizing
                 except SchedulingError as err:
-                    return self._refuse(err)
+                    return self._refuse(err, parsed)
                 except Exception:
                     log.exception("internal error while routing")
-                    return self._reject(500, "Internal", "internal error")
+                    return self._reject(500, "Internal", "internal error", parsed=parsed)
                 self.pending = _Pending(parsed, body, header_phase, body_eos, trailers)
                 return ()
             parsed = dataclasses.replace(parsed, request=now)
@@ -214,7 +214,7 @@ class RequestStream:
         except Exception:
             self.pending = None
             log.exception("internal error while tokenizing")
-            return self._reject(500, "Internal", "internal error")
+            return self._reject(500, "Internal", "internal error", parsed=p.parsed)
         self.pending = None
         parsed = dataclasses.replace(p.parsed, request=request)
         out = list(self._answer(parsed, p.body, p.header_phase, p.body_eos))
@@ -229,10 +229,10 @@ class RequestStream:
             streamed = self.response_mode in (_DUPLEX, _STREAMED)
             routed = self.director.route_parsed(parsed, self._allowed(), streamed)
         except SchedulingError as err:
-            return self._refuse(err)
+            return self._refuse(err, parsed)
         except Exception:
             log.exception("internal error while routing")
-            return self._reject(500, "Internal", "internal error")
+            return self._reject(500, "Internal", "internal error", parsed=parsed)
         self.routed = routed
         dest = ",".join(routed.decision.endpoints)
         metadata = lb_metadata(dest)
@@ -276,7 +276,7 @@ class RequestStream:
     def _allowed(self) -> frozenset[str] | None:
         return None if self.subset is None else self.subset.allowed
 
-    def _refuse(self, err: SchedulingError) -> Iterable[pb.ProcessingResponse]:
+    def _refuse(self, err: SchedulingError, parsed: ParsedRequest) -> Iterable[pb.ProcessingResponse]:
         retry_after = err.retry_after_s if isinstance(err, SloExceededError) else None
         message = str(err)
         if isinstance(err, NoEndpointsError) and self.subset is not None and self.subset.malformed:
@@ -284,7 +284,7 @@ class RequestStream:
             more = len(self.subset.malformed) - 5
             message += f" (entries that are neither ip:port nor an IP, ignored: {shown}"
             message += f" and {more} more)" if more > 0 else ")"
-        return self._reject(err.status, err.code, message, retry_after)
+        return self._reject(err.status, err.code, message, retry_after, parsed)
 
     @property
     def awaiting_body(self) -> bool:
@@ -312,11 +312,17 @@ class RequestStream:
         self.held = 0
 
     def _reject(
-        self, status: int, code: str, message: str, retry_after: int | None = None
+        self,
+        status: int,
+        code: str,
+        message: str,
+        retry_after: int | None = None,
+        parsed: ParsedRequest | None = None,
     ) -> Iterable[pb.ProcessingResponse]:
+        """Answer the request from the EPP; `parsed`: its body had been read (its model is known)."""
         self.done = True
         self._drop_body()
-        self.director.reject(status, code)
+        self.director.reject(status, code, parsed)
         return (error_response(status, code, message, retry_after),)
 
     # -- response path ------------------------------------------------------------------

@@ -215,7 +215,7 @@ class EppMetrics:
         self.requests = counter("inference_objective_request_total", "Requests received", models)
         self.request_errors = counter(
             "inference_objective_request_error_total",
-            "Requests that ended in an error",
+            "Requests that ended in an error: ModelServerError (the model server's), or the EPP's code",
             [*models, "error_code"],
         )
         self.request_duration = histogram(
@@ -292,6 +292,11 @@ class EppMetrics:
             "Responses with a non-2xx status, per endpoint and status",
             ["endpoint", "status"],
         )
+        self.stream_errors = counter(
+            "epp_stream_errors_total",
+            "Responses whose 2xx stream carried an error event, per endpoint and the code the event gave",
+            ["endpoint", "error_code"],
+        )
         self.released = counter(
             "epp_requests_released_total",
             "In-flight releases by cause (complete, error, disconnect)",
@@ -338,6 +343,7 @@ class EppMetrics:
             self.usage_tokens,
             self.usage_invalid,
             self.backend_errors,
+            self.stream_errors,
             self.scrapes,
             self.scrape_errors,
         )

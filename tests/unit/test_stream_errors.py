@@ -100,8 +100,18 @@ def sample(d: Director, name: str, **labels: str) -> float | None:
 
 
 def errors(d: Director, code: str) -> float | None:
+    """Stream error events by the code they gave (`epp_stream_errors_total`)."""
+    return sample(d, "epp_stream_errors_total", endpoint="10.0.0.0:80", error_code=code)
+
+
+def request_errors(d: Director) -> float | None:
+    """The request errors, where every model server error is `ModelServerError` (as in the reference)."""
     return sample(
-        d, "inference_objective_request_error_total", model_name="m", target_model_name="m", error_code=code
+        d,
+        "inference_objective_request_error_total",
+        model_name="m",
+        target_model_name="m",
+        error_code="ModelServerError",
     )
 
 
@@ -164,6 +174,7 @@ def released(d: Director) -> dict[str, float | None]:
 def test_an_error_mid_stream_is_an_error_and_its_usage_still_counts() -> None:
     d = run(MID_STREAM, at=MID_STREAM.index(VLLM_ERROR))
     assert errors(d, "ModelServerError500") == 1
+    assert request_errors(d) == 1
     assert released(d) == {"complete": None, "error": 1, "disconnect": None}
     # the last usage it sent before the error (continuous usage stats): the tokens it spent
     assert sample(d, "epp_usage_tokens_total", endpoint="10.0.0.0:80", kind="prompt") == 40
@@ -207,6 +218,7 @@ def test_only_the_first_error_event_counts() -> None:
     d = run(VLLM_ERROR + SGLANG_ERROR + DONE)
     assert errors(d, "ModelServerError500") == 1
     assert errors(d, "ModelServerError400") is None
+    assert request_errors(d) == 1
 
 
 def test_an_error_then_a_disconnect_is_counted_and_released_as_a_disconnect() -> None:
@@ -221,8 +233,9 @@ def test_an_error_then_a_disconnect_is_counted_and_released_as_a_disconnect() ->
 
 def test_an_error_status_with_an_error_body_counts_once_by_its_status() -> None:
     d = run(VLLM_ERROR, status=b"503")
-    assert errors(d, "ModelServerError503") == 1
-    assert errors(d, "ModelServerError500") is None
+    assert request_errors(d) == 1
+    assert sample(d, "epp_backend_errors_total", endpoint="10.0.0.0:80", status="503") == 1
+    assert errors(d, "ModelServerError500") is None  # not read as a stream error as well
     assert released(d)["error"] == 1
 
 
@@ -266,6 +279,7 @@ def test_responses_api_error_events(raw: bytes, code: str) -> None:
     send(s, CREATED)
     send(s, raw, eos=True)
     assert errors(d, code) == 1
+    assert request_errors(d) == 1
     assert released(d)["error"] == 1
 
 
@@ -280,6 +294,7 @@ def test_content_that_merely_says_error_stays_complete(content: str) -> None:
     d = run(ROLE + chunk({"content": content}, 1) + chunk({"content": "!"}, 2) + DONE)
     assert released(d) == {"complete": 1, "error": None, "disconnect": None}
     assert errors(d, STREAM_ERROR) is None and errors(d, "ModelServerError500") is None
+    assert request_errors(d) is None
     assert observations(d) == 1
 
 
