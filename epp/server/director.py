@@ -72,6 +72,7 @@ class RoutedRequest:
     decision: Decision
     ticket: Ticket
     routed_at: float
+    received_at: float  # when its request headers reached the EPP (`inference_objective_request_duration`)
     status: int | None = None
     first_byte_at: float | None = None
     body: bytes | None = None  # the body to forward when the EPP changed it (tenant salt, model rewrite)
@@ -173,7 +174,8 @@ class Director:
         """Pick endpoints for a request. Raises RequestError or SchedulingError. `streamed_response`:
         Envoy passes the response body on as it comes (so the first body byte is the first token
         of a streamed request)."""
-        return self.route_parsed(self.parse(headers, body), subset, streamed_response)
+        received_at = self.clock.now()
+        return self.route_parsed(self.parse(headers, body), subset, streamed_response, received_at)
 
     def parse(self, headers: Mapping[str, str], body: bytes | bytearray | None) -> ParsedRequest:
         """The first half of `route`: validate the request (raises RequestError) and apply the tenant's
@@ -228,19 +230,24 @@ class Director:
         parsed: ParsedRequest,
         subset: Collection[str] | None = None,
         streamed_response: bool = True,
+        received_at: float | None = None,
     ) -> RoutedRequest:
-        """The second half of `route`: schedule and account. Raises SchedulingError."""
+        """The second half of `route`: schedule and account. Raises SchedulingError. `received_at`: when
+        the request's headers reached the EPP (the request duration starts there, as in the reference;
+        without it, at the scheduling cycle)."""
         request, new_body = parsed.request, parsed.new_body
         candidates = self._candidates(subset)
         t0 = self.clock.now()
-        result = self.scheduler.schedule(request, candidates)
-        t1 = self.clock.now()
+        try:
+            result = self.scheduler.schedule(request, candidates)
+        finally:  # a cycle that refused the request (SchedulingError: 429, 503) is a cycle too
+            t1 = self.clock.now()
+            self.metrics.scheduler_duration.observe(t1 - t0)
         # Scheduled: its prompt (token ids, messages, chat options: up to ~15x the body once parsed) is not
         # kept for the response's lifetime; what accounting and metrics read stays.
         if request.tokens is not None or request.prompt is not None or request.messages is not None:
             request = dataclasses.replace(request, tokens=None, prompt=None, messages=None, chat=None)
         m = self.metrics
-        m.scheduler_duration.observe(t1 - t0)
         for point, ptype, pname, seconds in result.timings:
             m.plugin_duration(point, ptype, pname).observe(seconds)
         decision = result.decision
@@ -259,6 +266,7 @@ class Director:
             decision,
             ticket,
             t1,
+            t0 if received_at is None else received_at,
             body=new_body,
             incoming_model=parsed.incoming_model,
             labels=(model, target),
@@ -386,7 +394,7 @@ class Director:
         model, target = routed.labels
         m.released(cause).inc()
         m.running(model).dec()
-        m.request_duration(model, target).observe(self.clock.now() - routed.routed_at)
+        m.request_duration(model, target).observe(self.clock.now() - routed.received_at)
         ep = routed.endpoint
         in_pool = self._in_pool(routed)
         if usage_invalid and in_pool:

@@ -87,6 +87,7 @@ class RequestStream:
         self.held = 0  # bytes of `body` reserved in `budget`
         self.headers: dict[str, str] = {}
         self.seen_headers = False
+        self.received_at = 0.0  # when the request headers came (the request duration starts there)
         self.subset: SubsetHint | None = None
         self.request_mode = _DUPLEX
         self.response_mode = _DUPLEX
@@ -126,6 +127,7 @@ class RequestStream:
 
     def _request_headers(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
         self.seen_headers = True
+        self.received_at = self.director.clock.now()
         if msg.HasField("protocol_config"):
             self.request_mode = msg.protocol_config.request_body_mode
             self.response_mode = msg.protocol_config.response_body_mode
@@ -227,7 +229,7 @@ class RequestStream:
     ) -> Iterable[pb.ProcessingResponse]:
         try:
             streamed = self.response_mode in (_DUPLEX, _STREAMED)
-            routed = self.director.route_parsed(parsed, self._allowed(), streamed)
+            routed = self.director.route_parsed(parsed, self._allowed(), streamed, self.received_at)
         except SchedulingError as err:
             return self._refuse(err, parsed)
         except Exception:

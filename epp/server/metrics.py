@@ -67,6 +67,12 @@ _LATENCY_BUCKETS = (
     1.0,
 )
 _REQUEST_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# inference_objective_request_duration_seconds: the reference's buckets (pkg/epp/metrics/metrics.go), so
+# queries and dashboards built for it read the same; long generations and queued batch jobs reach an hour.
+_REQUEST_DURATION_BUCKETS = (
+    *(0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 45),
+    *(60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600),
+)
 _TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
@@ -220,9 +226,9 @@ class EppMetrics:
         )
         self.request_duration = histogram(
             "inference_objective_request_duration_seconds",
-            "From routing to the end of the response",
+            "From the request's headers to the end of the response",
             models,
-            _REQUEST_BUCKETS,
+            _REQUEST_DURATION_BUCKETS,
         )
         self.input_tokens = histogram(
             "inference_objective_input_tokens", "Prompt tokens (from usage)", models, _TOKEN_BUCKETS
