@@ -112,14 +112,15 @@ class _PoolCollector(Collector):
         )
         age = GaugeMetricFamily(
             "epp_endpoint_metrics_age_seconds",
-            "Seconds since the endpoint's metrics were last scraped (-1: never)",
+            "Seconds since the endpoint's metrics were last scraped (no sample before the first scrape)",
             labels=["endpoint"],
         )
         for r in records:
             in_flight.add_metric([r.id], r.in_flight_requests)
             in_tokens.add_metric([r.id], r.in_flight_prompt_tokens)
             healthy.add_metric([r.id], 1.0 if r.healthy else 0.0)
-            age.add_metric([r.id], now - r.metrics.observed_at if r.metrics else -1.0)
+            if r.metrics is not None:  # never scraped: no sample (a -1 would read as fresh to max() or <)
+                age.add_metric([r.id], now - r.metrics.observed_at)
         yield from (kv, queue, pods, in_flight, in_tokens, healthy, age)
 
 
@@ -172,14 +173,17 @@ class _CostModelCollector(Collector):
         )
         observed = CounterMetricFamily(
             "epp_cost_model_observations",
-            "Observed times to first token folded into the fit, and those down-weighted as outliers",
+            "Observed times to first token: fitted in full (used), clipped as outliers, or ignored "
+            "(disjoint kinds)",
             labels=["model_name", "kind"],
         )
         for model, c in self.cost.coefficients().items():
             prefill.add_metric([model], c["prefill_scale"])
             queue.add_metric([model], c["queue_scale"])
             per_token.add_metric([model], c["prefill_seconds_per_token"])
-            observed.add_metric([model, "used"], c["observations"])
+            # the calibrator's `observations` counts the clipped outliers too: `used` is the rest, so the
+            # kinds sum to every observation
+            observed.add_metric([model, "used"], c["observations"] - c["outliers"])
             observed.add_metric([model, "outlier"], c["outliers"])
             observed.add_metric([model, "ignored"], c["ignored"])
         yield from (prefill, queue, per_token, observed)
