@@ -55,3 +55,22 @@ def test_calibration_observation_kinds_are_disjoint() -> None:
     }
     assert kinds == {"used": 7, "outlier": 3, "ignored": 2}
     assert sum(v or 0 for v in kinds.values()) == 10 + 2  # every observation once
+
+
+def test_only_counters_incremented_as_things_happen_have_created_series() -> None:
+    """As docs/metrics.md says: the scrape-time counters (KV index, cost model, tokenizing worker) have
+    no `_created` series; the others do, once they have a series."""
+    from prometheus_client import generate_latest
+
+    from epp.config import default_config
+    from epp.server.app import EppServer, ServerSettings
+
+    server = EppServer(ServerSettings(secure_serving=False, refresh_metrics_interval=0), default_config())
+    server.metrics.accounting_errors.inc()
+    server.metrics.pick_modes("cache-aware").inc()
+    text = generate_latest(server.metrics.registry).decode()
+    created = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if "_created" in line[:80]}
+    assert {"epp_response_accounting_errors_created", "epp_pick_mode_created"} <= created
+    scrape_time = ("epp_kv_", "epp_cost_model_observations", "epp_prompts_tokenized_in_worker")
+    assert not [name for name in created if name.startswith(scrape_time)]
+    assert "epp_kv_socket_errors_total{" in text  # (they are there, without `_created`)
