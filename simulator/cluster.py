@@ -97,6 +97,12 @@ class _InFlight:
     routed_at: float
 
 
+def _estimated(decision: Decision) -> float | None:
+    """The router's TTFT estimate for the pod it picked (None when no plugin estimated one)."""
+    estimate = decision.estimates.get(decision.primary) if decision.estimates else None
+    return None if estimate is None else estimate.ttft_s
+
+
 def pod_address(i: int) -> str:
     return f"10.{i // 62500}.{i // 250 % 250}.{i % 250}:8000"
 
@@ -317,6 +323,7 @@ class Cluster:
             output_tokens=rec.output_tokens,
             first_token_s=rec.first_token_s if rec.first_token_s is not None else now,
             finished_s=now,
+            estimated_ttft_s=_estimated(f.decision),
         )
         self.records.append(done)
         self._pending -= 1

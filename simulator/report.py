@@ -88,7 +88,21 @@ def table(summary: Mapping[str, Figures], bounds: Mapping[str, float] | None = N
             f"(a reference, not a bound) {bounds['cluster_lru_token_hit_rate'] * 100:.1f}%"
         )
     lines += rejections(summary)
+    lines += estimate_lines(summary)
     return "\n".join(lines)
+
+
+def estimate_lines(summary: Mapping[str, Figures]) -> list[str]:
+    """A line per policy whose router estimated TTFT: how its estimates compared with what happened."""
+    out = []
+    for policy, figures in summary.items():
+        p10, p50, p90 = (figures.get(f"ttft_estimate_ratio_p{q}") for q in (10, 50, 90))
+        if p10 is not None and p50 is not None and p90 is not None:
+            out.append(
+                f"{policy}: observed / estimated TTFT p10 {p10:.2f}, p50 {p50:.2f}, p90 {p90:.2f} "
+                "(1: the router's estimate was exact)"
+            )
+    return out
 
 
 SUMMARY = "summary.json"

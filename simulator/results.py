@@ -34,6 +34,7 @@ class RequestRecord:
     first_token_s: float | None  # absolute simulated times; None when rejected
     finished_s: float | None
     status: str = COMPLETED  # or REJECTED
+    estimated_ttft_s: float | None = None  # the router's TTFT estimate for its pod at the pick, if any
 
     @classmethod
     def rejected(
@@ -72,8 +73,10 @@ FIGURES = tuple(
     [f"{m}_{s}_s" for m in ("ttft", "tpot", "e2e") for s in ("mean", "p50", "p90", "p99")]
     + ["throughput_rps", "output_tokens_per_s", "token_hit_rate", "gpu_token_hit_rate"]
     + ["request_hit_rate", "load_imbalance", "makespan_s"]
+    + [f"ttft_estimate_ratio_p{q}" for q in (10, 50, 90)]
 )
 """The figures of the completed requests (besides `requests`, `rejected_requests`, `rejected_rate`)."""
+ESTIMATE_QUANTILES = (10, 50, 90)
 
 
 def _stats(prefix: str, values: npt.NDArray[np.float64]) -> Figures:
@@ -86,6 +89,24 @@ def _stats(prefix: str, values: npt.NDArray[np.float64]) -> Figures:
         *(float(np.percentile(values, q)) for q in (50, 90, 99)),
     ]
     return dict(zip(names, figures, strict=True))
+
+
+def _estimate_ratios(done: Sequence[RequestRecord]) -> Figures:
+    """Percentiles of observed / estimated TTFT over the completed requests the router estimated (a
+    policy with a TTFT estimate: `ttft`, `oracle`): how far the router's belief was from what happened
+    (1: exact; above 1: it waited longer than the router thought). None without estimates."""
+    ratios = np.array(
+        [
+            cast(float, r.ttft_s) / r.estimated_ttft_s
+            for r in done
+            if r.estimated_ttft_s is not None and r.estimated_ttft_s > 0
+        ],
+        dtype=np.float64,
+    )
+    names = [f"ttft_estimate_ratio_p{q}" for q in ESTIMATE_QUANTILES]
+    if not ratios.size:
+        return dict.fromkeys(names)
+    return {n: float(np.percentile(ratios, q)) for n, q in zip(names, ESTIMATE_QUANTILES, strict=True)}
 
 
 def summarize(records: Sequence[RequestRecord], pods: Sequence[str]) -> Figures:
@@ -115,6 +136,7 @@ def summarize(records: Sequence[RequestRecord], pods: Sequence[str]) -> Figures:
     span = max(end - start, 1e-9)
     per_pod = Counter(r.pod for r in done)
     counts = np.array([per_pod.get(p, 0) for p in pods], dtype=np.float64)
+    out.update(_estimate_ratios(done))
     out.update(_stats("ttft", ttft))
     out.update(_stats("tpot", tpot))
     out.update(_stats("e2e", e2e))

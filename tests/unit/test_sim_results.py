@@ -127,6 +127,10 @@ def test_report_writes_summary_records_and_plots(tmp_path: pathlib.Path) -> None
     text = report.table(summary, bounds)
     assert text.splitlines()[1].startswith("ttft") and "500.00" in text.splitlines()[1]
     assert "infinite shared cache (a bound) 60.0%" in text and "(a reference, not a bound) 40.0%" in text
+    assert "observed / estimated" not in text  # (neither policy estimated)
+    estimated = [RequestRecord(0, 0.0, "a", 100, 0, 0, 2, 0.3, 1.0, estimated_ttft_s=0.2)]
+    text = report.table({"ttft": summarize(estimated, ["a"])}, bounds)
+    assert "ttft: observed / estimated TTFT p10 1.50, p50 1.50, p90 1.50" in text
 
 
 def test_tpot_is_null_when_no_completed_request_has_a_second_token() -> None:
@@ -194,3 +198,18 @@ def test_a_single_token_answer_has_no_tpot_in_its_record_as_in_the_summary() -> 
     assert many.tpot_s == pytest.approx(0.01)
     figures = summarize([one, many], ["p"])
     assert figures["tpot_mean_s"] == pytest.approx(0.01)
+
+
+def test_estimate_ratios_are_observed_over_estimated_ttft_of_the_estimated_requests() -> None:
+    def timed(i: int, ttft: float, estimate: float | None) -> RequestRecord:
+        return RequestRecord(i, 0.0, "a", 100, 0, 0, 2, ttft, ttft + 1.0, estimated_ttft_s=estimate)
+
+    records = [timed(0, 0.2, 0.1), timed(1, 0.1, 0.1), timed(2, 0.1, 0.2), timed(3, 0.5, None)]
+    s = summarize([*records, RequestRecord.rejected(4, 0.0, 100)], ["a"])
+    ratios = [2.0, 1.0, 0.5]  # the unestimated and the rejected requests count in no ratio
+    assert [s[f"ttft_estimate_ratio_p{q}"] for q in (10, 50, 90)] == pytest.approx(
+        [np.percentile(ratios, q) for q in (10, 50, 90)]
+    )
+    assert timed(0, 0.2, 0.1).to_json()["estimated_ttft_s"] == 0.1
+    none = summarize([timed(0, 0.2, None), timed(1, 0.2, 0.0)], ["a"])  # (a zero estimate: no ratio)
+    assert [none[f"ttft_estimate_ratio_p{q}"] for q in (10, 50, 90)] == [None, None, None]
