@@ -183,8 +183,14 @@ class RequestStream:
     def _route(
         self, body: bytearray | None, header_phase: bool, body_eos: bool = True, trailers: bool = False
     ) -> Iterable[pb.ProcessingResponse]:
+        """Parse and route the request. A body that ended empty is no body: Envoy sends the end of a
+        request on its own when its headers did not carry it (HTTP/1.1 `transfer-encoding: chunked` with
+        a zero-length body, an HTTP/2 request ending with an empty DATA frame), and that request is the
+        same as one whose headers ended it, so it is parsed as header-only; its answer keeps the shape the
+        mode asks of a body's end (`_answer`: in duplex mode the held headers' answer and the empty body
+        echoed with its end of stream, in BUFFERED mode the body's answer)."""
         try:
-            parsed = self.director.parse(self.headers, body)
+            parsed = self.director.parse(self.headers, body or None)
         except RequestError as err:
             return self._reject(err.status, err.code, err.message)
         except Exception:

@@ -99,3 +99,42 @@ async def test_a_body_in_a_mode_envoy_routes_on_the_headers_in_is_refused(reques
         async with st.session.get(f"{st.url}/v1/models", headers={DEST: wanted}) as r:
             assert r.status == 200 and r.headers.get("x-served-by") == "pod-1"
         await st.wait_idle()
+
+
+async def raw_http1(st: Stack, head: str) -> tuple[int, str | None]:
+    """One HTTP/1.1 request written as is (`head`: request line and headers, without the final CRLF),
+    with a zero-length chunked body; (status, x-served-by) of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", st.envoy.listener_port)
+    try:
+        writer.write(
+            f"{head}\r\nconnection: close\r\n\r\n".encode() + (b"0\r\n\r\n" if "chunked" in head else b"")
+        )
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    lines = answer.decode("latin-1").split("\r\n")
+    served = [line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("x-served-by:")]
+    return int(lines[0].split()[1]), served[0] if served else None
+
+
+@pytest.mark.parametrize("request_body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"], indirect=True)
+async def test_an_empty_chunked_body_is_routed_as_a_request_without_a_body(request_body_mode: str) -> None:
+    """HTTP/1.1 `transfer-encoding: chunked` with a zero-length body: Envoy sends the request's end as an
+    empty body message of its own. The request is picked as one whose headers ended it (`content-length:
+    0`), by the EPP: the GET is served, the POST reaches the model server (which judges the empty body)."""
+    async with stack(2) as st:
+        await loaded_pod0(st)
+        wanted = st.backend("pod-0").address  # what the client asks for
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+            start = f"{method} {path} HTTP/1.1\r\nhost: x\r\n{DEST}: {wanted}"
+            chunked = await raw_http1(st, f"{start}\r\ntransfer-encoding: chunked")
+            sized = await raw_http1(st, f"{start}\r\ncontent-length: 0")
+            assert chunked == sized == ((200 if method == "GET" else 400), "pod-1"), (method, chunked, sized)
+        posted = st.backend("pod-1").served("/v1/chat/completions")
+        assert [r.body_len for r in posted] == [0, 0]
+        assert all(r.headers[DEST] == st.backend("pod-1").address for r in posted)
+        assert st.backend("pod-0").requests == []
+        assert await st.metric("epp_rejections_total") == 0
+        assert await st.metric("epp_picks_total") == 4
+        await st.wait_idle()

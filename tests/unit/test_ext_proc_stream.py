@@ -497,3 +497,91 @@ async def test_the_body_timeout_does_not_fire_while_a_complete_body_is_tokenized
     )
     s.close()
     assert d.datastore.total_in_flight() == 0
+
+
+def headers_only_pick(mode: int) -> pb.ProcessingResponse:
+    """The answer to the same request when its headers carried the end of stream."""
+    s = RequestStream(director(), 1 << 30)
+    [resp] = s.on_message(headers(eos=True, mode=mode))
+    s.close()
+    return resp
+
+
+def pick_of(common: pb.CommonResponse) -> tuple[dict[str, str], bool]:
+    """A routing answer's headers (but the generated x-request-id's value) and its clear_route_cache."""
+    found = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    assert found.pop("x-request-id")  # a request id is generated per request
+    return found, common.clear_route_cache
+
+
+@pytest.mark.parametrize("chunks", [[b""], [b"", b""]])
+def test_an_empty_body_at_its_end_in_duplex_mode_is_routed_as_a_header_only_request(
+    chunks: list[bytes],
+) -> None:
+    """HTTP/1.1 `transfer-encoding: chunked` with a zero-length body, or HTTP/2 ending on an empty DATA
+    frame: Envoy sends the end of the request as a body message of its own. The held headers get the
+    header-only pick's answer, then the empty body goes back with its end of stream."""
+    d = director()
+    s = RequestStream(d, 1 << 30)
+    assert list(s.on_message(headers())) == []
+    for chunk in chunks[:-1]:
+        assert list(s.on_message(body(chunk, False))) == []
+    first, echoed = s.on_message(body(chunks[-1], True))
+    picked = headers_only_pick(DUPLEX)
+    assert pick_of(first.request_headers.response) == pick_of(picked.request_headers.response)
+    assert first.dynamic_metadata == picked.dynamic_metadata and destination(first) == "10.0.0.0:80"
+    streamed = echoed.request_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b"", True)
+    assert s.routed is not None and s.routed.request.model == "" and s.routed.request.body_bytes == 0
+    assert not s.done and d.datastore.total_in_flight() == 1
+    assert (
+        d.metrics.registry.get_sample_value("epp_rejections_total", {"status": "400", "code": "BadRequest"})
+        is None
+    )
+    s.close()
+    assert d.datastore.total_in_flight() == 0
+
+
+def test_an_empty_body_at_its_end_in_buffered_mode_gets_the_pick_in_the_body_answer() -> None:
+    """The headers were answered at once (BUFFERED): the header-only pick goes in the body's answer, with
+    no body mutation (the empty body stands)."""
+    d = director()
+    s = RequestStream(d, 1 << 30)
+    [first] = s.on_message(headers(mode=BUFFERED))
+    assert (
+        first.HasField("request_headers") and not first.request_headers.response.header_mutation.set_headers
+    )
+    [resp] = s.on_message(body(b"", True))
+    picked = headers_only_pick(BUFFERED)
+    assert pick_of(resp.request_body.response) == pick_of(picked.request_headers.response)
+    assert resp.dynamic_metadata == picked.dynamic_metadata and destination(resp) == "10.0.0.0:80"
+    assert not resp.request_body.response.HasField("body_mutation")
+    assert s.routed is not None and s.routed.request.model == "" and d.datastore.total_in_flight() == 1
+    s.close()
+    assert d.datastore.total_in_flight() == 0
+
+
+def test_an_empty_body_ended_by_trailers_is_routed_as_a_header_only_request() -> None:
+    s = RequestStream(director(), 1 << 30)
+    s.on_message(headers())
+    assert list(s.on_message(body(b"", False))) == []
+    first, echoed, trailers = s.on_message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    assert pick_of(first.request_headers.response) == pick_of(
+        headers_only_pick(DUPLEX).request_headers.response
+    )
+    streamed = echoed.request_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b"", False)  # the trailers end the request
+    assert trailers.HasField("request_trailers")
+    assert s.routed is not None and s.routed.request.model == ""
+    s.close()
+
+
+@pytest.mark.parametrize("mode", [DUPLEX, BUFFERED])
+def test_a_body_of_whitespace_is_not_empty_and_still_a_400_that_holds_nothing(mode: int) -> None:
+    d = director()
+    s = RequestStream(d, 1 << 30)
+    s.on_message(headers(mode=mode))
+    [resp] = s.on_message(body(b" ", True))
+    assert resp.immediate_response.status.code == 400
+    assert b"not valid JSON" in resp.immediate_response.body
+    assert s.done and s.routed is None and not s.body and d.datastore.total_in_flight() == 0
