@@ -1,14 +1,15 @@
 """Envoy ext_proc stream handling: one gRPC stream per HTTP request.
 
 Request path: headers are held until the body ends (FULL_DUPLEX_STREAMED) or answered at once
-(BUFFERED / header-only); at the end of the body the request is scheduled and the destination is
-returned as a header and as `envoy.lb` dynamic metadata. A request with a body in `request_body_mode`
-STREAMED or NONE is refused at its headers (`unsupported_mode`): Envoy routes on the headers' answer
-there, before the EPP has read any body, so the pick could not reach it. Response path: the
-body is echoed (duplex) while usage, the first byte and a stream's error event (`UsageReader`) are
-recorded, and the request's in-flight accounting is released at the end, on error, or when the
-stream goes away. The response is the backend's: bookkeeping never fails it (an unexpected error is
-counted and logged, and the response passed on).
+(BUFFERED, BUFFERED_PARTIAL / header-only); at the end of the body the request is scheduled and the
+destination is returned as a header and as `envoy.lb` dynamic metadata. A BUFFERED_PARTIAL body that
+comes without its end filled Envoy's buffer: it is refused with 413, naming that limit. A request with a
+body in `request_body_mode` STREAMED or NONE is refused at its headers (`unsupported_mode`): Envoy routes
+on the headers' answer there, before the EPP has read any body, so the pick could not reach it.
+Response path: the body is echoed (duplex) while usage, the first byte and a stream's error event
+(`UsageReader`) are recorded, and the request's in-flight accounting is released at the end, on error,
+or when the stream goes away. The response is the backend's: bookkeeping never fails it (an unexpected
+error is counted and logged, and the response passed on).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 _DUPLEX = 4  # ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = 1
+_BUFFERED_PARTIAL = 3
 # Request body modes in which Envoy passes the request headers on to the router as soon as they are
 # answered, before (STREAMED) or without (NONE) sending the body: the pick, made from the body, would
 # come too late, and the request would go to no endpoint or to a destination header the client sent.
@@ -63,6 +65,16 @@ def unsupported_mode(mode: int) -> str:
         f"request_body_mode {_ROUTES_ON_HEADERS[mode]} is not supported: Envoy routes on the answer to the "
         "request headers, before the EPP has read the body its pick needs; configure FULL_DUPLEX_STREAMED "
         "(Envoy Gateway's default) or BUFFERED"
+    )
+
+
+def partial_body(received: int) -> str:
+    """Why a BUFFERED_PARTIAL body that came without its end is refused (`RequestStream._request_body`)."""
+    return (
+        f"request body exceeds Envoy's buffer limit under request_body_mode BUFFERED_PARTIAL (Envoy sent its "
+        f"first {received} bytes without the body's end, and would pass the rest on unread, so the pick "
+        "cannot be made from the body): raise Envoy's buffer limit (the listener's "
+        "per_connection_buffer_limit_bytes) or configure FULL_DUPLEX_STREAMED"
     )
 
 
@@ -153,6 +165,10 @@ class RequestStream:
                 if self.request_mode == _DUPLEX
                 else (pb.ProcessingResponse(request_body=pb.BodyResponse()),)
             )
+        if self.request_mode == _BUFFERED_PARTIAL and not body.end_of_stream:
+            # Envoy sends a BUFFERED_PARTIAL body once, without its end only when it filled Envoy's buffer:
+            # parsing that prefix would blame the client for a body cut short ("truncated", 400).
+            return self._reject(413, "PayloadTooLarge", partial_body(len(self.body) + len(body.body)))
         if len(self.body) + len(body.body) > self.max_body_bytes:
             return self._reject(413, "PayloadTooLarge", f"request body exceeds {self.max_body_bytes} bytes")
         if self.budget is not None:

@@ -138,3 +138,32 @@ async def test_an_empty_chunked_body_is_routed_as_a_request_without_a_body(reque
         assert await st.metric("epp_rejections_total") == 0
         assert await st.metric("epp_picks_total") == 4
         await st.wait_idle()
+
+
+@pytest.mark.parametrize("request_body_mode", ["BUFFERED_PARTIAL"], indirect=True)
+async def test_a_buffered_partial_body_over_envoys_buffer_is_413_naming_the_limit(
+    request_body_mode: str,
+) -> None:
+    """In BUFFERED_PARTIAL Envoy sends the body once: whole, with its end, when it fits its buffer (routed
+    as in BUFFERED), else the part that filled the buffer, without its end (the rest would go on unread).
+    That part is refused with 413 naming the limit, not parsed into a 400 blaming the client."""
+    limit = 64 * 1024
+    async with stack(2, envoy=envoy_mod.EnvoyConfig(per_connection_buffer_limit_bytes=limit)) as st:
+        await loaded_pod0(st)
+        wanted = st.backend("pod-0").address
+        for data in (BIG, chunks(BIG, 6)):
+            status, by, text = await post(st, data, wanted)
+            assert (status, by) == (413, None), text
+            err = json.loads(text)["error"]
+            assert err["type"] == "PayloadTooLarge"
+            message = err["message"]
+            assert "Envoy's buffer limit under request_body_mode BUFFERED_PARTIAL" in message
+            assert "per_connection_buffer_limit_bytes" in message and "FULL_DUPLEX_STREAMED" in message
+        assert await st.metric("epp_rejections_total", status="413", code="PayloadTooLarge") == 2
+        assert st.backend("pod-0").requests == [] and st.backend("pod-1").requests == []
+        assert st.epp.body_budget.held == 0  # the part Envoy sent is not held
+        # A body within the buffer is routed, by the EPP, as in BUFFERED.
+        small = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        assert (await post(st, small, wanted))[:2] == (200, "pod-1")
+        assert await st.metric("epp_picks_total") == 1
+        await st.wait_idle()

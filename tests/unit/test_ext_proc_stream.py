@@ -585,3 +585,48 @@ def test_a_body_of_whitespace_is_not_empty_and_still_a_400_that_holds_nothing(mo
     assert resp.immediate_response.status.code == 400
     assert b"not valid JSON" in resp.immediate_response.body
     assert s.done and s.routed is None and not s.body and d.datastore.total_in_flight() == 0
+
+
+BUFFERED_PARTIAL = 3
+
+
+def test_buffered_partial_routes_a_body_that_came_whole_as_buffered_does() -> None:
+    d = director()
+    s = RequestStream(d, 1 << 30, BodyBudget(1 << 20))
+    [first] = s.on_message(headers(mode=BUFFERED_PARTIAL))
+    assert (
+        first.HasField("request_headers") and not first.request_headers.response.header_mutation.set_headers
+    )
+    [resp] = s.on_message(body(BODY, True))
+    assert resp.HasField("request_body") and destination(resp) == "10.0.0.0:80"
+    assert d.datastore.total_in_flight() == 1
+    s.close()
+
+
+def test_a_buffered_partial_body_without_its_end_is_413_naming_envoys_buffer_and_nothing_is_held() -> None:
+    """Envoy sends a BUFFERED_PARTIAL body without its end only when the body filled its buffer (and would
+    pass the rest on unread): refused for what it is, not parsed into a 400 "truncated" blaming the client."""
+    d = director()
+    budget = BodyBudget(1 << 20)
+    s = RequestStream(d, 1 << 30, budget)
+    s.on_message(headers(mode=BUFFERED_PARTIAL))
+    [resp] = s.on_message(body(BODY[:20], False))
+    ir = resp.immediate_response
+    assert ir.status.code == 413
+    message = json.loads(ir.body)["error"]["message"]
+    assert message == (
+        "inference error: PayloadTooLarge - request body exceeds Envoy's buffer limit under "
+        "request_body_mode BUFFERED_PARTIAL (Envoy sent its first 20 bytes without the body's end, and "
+        "would pass the rest on unread, so the pick cannot be made from the body): raise Envoy's buffer "
+        "limit (the listener's per_connection_buffer_limit_bytes) or configure FULL_DUPLEX_STREAMED"
+    )
+    assert s.done and s.routed is None and not s.body and budget.held == 0
+    assert d.datastore.total_in_flight() == 0
+    labels = {"status": "413", "code": "PayloadTooLarge"}
+    assert d.metrics.registry.get_sample_value("epp_rejections_total", labels) == 1
+    # the next request on the same director is routed as usual
+    other = RequestStream(d, 1 << 30, budget)
+    other.on_message(headers(mode=BUFFERED_PARTIAL))
+    assert destination(next(iter(other.on_message(body(BODY, True))))) == "10.0.0.0:80"
+    other.close()
+    assert d.datastore.total_in_flight() == 0 and budget.held == 0
