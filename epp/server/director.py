@@ -384,9 +384,10 @@ class Director:
     def finish(
         self, routed: RoutedRequest, cause: str, usage: Usage | None = None, usage_invalid: bool = False
     ) -> None:
-        """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect
-        (`error` also for a 2xx stream that carried an error event, whose usage, when it sent one, is
-        recorded all the same: the tokens were spent). `usage_invalid`: the response's usage had an
+        """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect|
+        unobserved (`error` also for a 2xx stream that carried an error event, whose usage, when it sent
+        one, is recorded all the same: the tokens were spent; `unobserved`: the stream ended and Envoy
+        sent nothing of the response, `RequestStream.close`). `usage_invalid`: the response's usage had an
         impossible count and was ignored."""
         if not self.datastore.release(routed.ticket):
             return

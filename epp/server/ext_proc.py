@@ -454,9 +454,22 @@ class RequestStream:
         """The stream ended: release whatever is still held (client gone, Envoy reset)."""
         self._drop_body()
         if self.routed is not None:
-            # With response_body_mode NONE the stream's end is the response's end.
-            seen_response = self.routed.status is not None and self.response_mode == 0
-            self._finish(self._end_cause() if seen_response else "disconnect")
+            self._finish(self._close_cause())
+
+    def _close_cause(self) -> str:
+        """Why a request whose response's end the EPP did not see is released at the stream's end. When
+        the response body mode sends that end (duplex, streamed, buffered) and it did not come:
+        `disconnect`. With response_body_mode NONE the stream's end is the response's end: released by
+        the status when the response headers came, else `unobserved`: Envoy sent nothing of the response
+        (every request under response_header_mode SKIP; under SEND, one whose client left before them).
+
+        How the stream ended cannot tell more: Envoy 1.40 ends every ext_proc stream with a half-close
+        followed at once by a reset, when the request completed and when its client reset it alike, and
+        grpcio's aio server (1.85) shows a reset as the end of the request messages too (then cancels
+        the handler), so a completed request, a client gone and a lost connection look the same here."""
+        if self.response_mode != 0:
+            return "disconnect"
+        return "unobserved" if self.routed is not None and self.routed.status is None else self._end_cause()
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]

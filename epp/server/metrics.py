@@ -309,7 +309,7 @@ class EppMetrics:
         )
         self.released = counter(
             "epp_requests_released_total",
-            "In-flight releases by cause (complete, error, disconnect)",
+            "In-flight releases by cause (complete, error, disconnect, unobserved)",
             ["cause"],
         )
         self.scrapes = counter(

@@ -216,6 +216,27 @@ async def test_client_disconnect_mid_stream_releases_in_flight_state() -> None:
         assert await st.metric("epp_endpoint_in_flight_requests") == 0
 
 
+async def test_without_response_phases_requests_are_released_as_unobserved_not_disconnect() -> None:
+    """response_header_mode SKIP, response_body_mode NONE: Envoy sends nothing of the response, and ends
+    the ext_proc stream once the HTTP request is over, the same way (a half-close, then a reset) when it
+    completed and when its client hung up mid-response: the EPP cannot tell them apart, both are
+    `unobserved`."""
+    envoy = EnvoyConfig(response_header_mode="SKIP", response_body_mode="NONE")
+    async with stack(1, envoy=envoy, backend_kwargs={"num_chunks": 50, "stream_delay": 0.05}) as st:
+        assert (await st.chat())[0] == 200
+        await st.wait_idle()
+        assert await st.metric("epp_requests_released_total", cause="unobserved") == 1
+        resp = await st.session.post(f"{st.url}/v1/chat/completions", json={**CHAT, "stream": True})
+        assert resp.status == 200
+        await resp.content.readline()
+        assert st.epp.datastore.total_in_flight() == 1
+        resp.close()  # hang up mid-stream
+        await st.wait_idle()
+        assert await st.metric("epp_requests_released_total", cause="unobserved") == 2
+        assert await st.metric("epp_requests_released_total", cause="disconnect") == 0
+        assert await st.metric("epp_requests_released_total") == 2
+
+
 async def test_client_disconnect_before_body_end_leaks_nothing() -> None:
     async with stack(1) as st:
         _reader, writer = await asyncio.open_connection("127.0.0.1", st.envoy.listener_port)

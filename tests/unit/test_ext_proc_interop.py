@@ -31,6 +31,7 @@ from epp.server.director import Director
 from epp.server.ext_proc import ExtProcService, RequestStream
 from epp.server.ext_proc_wire import MAX_CHUNK, SubsetHint, subset_entry, subset_hint
 from epp.testing.fakes import FakeClock
+from epp.testing.wait import eventually
 from epp.types import InferenceRequest, MetricsSnapshot
 
 from .test_ext_proc_stream import BODY, BUFFERED, SALTER, body, destination, director, headers
@@ -488,3 +489,27 @@ async def test_grpc_llmds_rewrite_name_wins_and_its_bad_value_is_the_same_400(
     )
     assert bad.immediate_response.status.code == 400
     assert "header 'x-llm-d-model-name-rewrite' must name one model, once (got 'a,b')" in error_message(bad)
+
+
+@pytest.mark.parametrize("end", ["half-close", "cancel"])
+async def test_grpc_a_stream_ending_before_any_response_message_under_body_none_is_unobserved(
+    stub: tuple[pb_grpc.ExternalProcessorStub, Director], end: str
+) -> None:
+    """response_header_mode SKIP with response_body_mode NONE: Envoy sends nothing of the response, and
+    ends the stream (a half-close, then a reset) once the HTTP request is over, completed or not. The
+    grpc server sees the request messages end either way: the request is released as `unobserved`."""
+    client, d = stub
+    call = client.Process()
+    await call.write(headers(response_mode=0))
+    await call.write(body(BODY, True))
+    out = [await call.read(), await call.read()]
+    assert destination(out[0]) and d.datastore.total_in_flight() == 1
+    if end == "half-close":
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF  # the server ends the call itself
+    else:
+        call.cancel()
+    await eventually(lambda: d.datastore.total_in_flight() == 0, "released")
+    causes = ("complete", "error", "disconnect", "unobserved")
+    released = {c: sample(d, "epp_requests_released_total", {"cause": c}) for c in causes}
+    assert released == {c: (1 if c == "unobserved" else None) for c in causes}

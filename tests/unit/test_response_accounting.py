@@ -171,6 +171,33 @@ def test_with_response_body_mode_none_the_streams_end_releases_by_status(status:
     assert d.datastore.total_in_flight() == 0
 
 
+RELEASE_CAUSES = ("complete", "error", "disconnect", "unobserved")
+
+
+@pytest.mark.parametrize(
+    ("response_mode", "cause"),
+    [
+        (0, "unobserved"),  # body NONE, no response headers: Envoy sent nothing of the response (SKIP)
+        (4, "disconnect"),  # a duplex response's end comes as a message: the stream ended before it
+        (1, "disconnect"),
+        (2, "disconnect"),
+    ],
+)
+def test_a_stream_that_ends_before_any_response_message_is_released_as_unobserved_or_disconnect(
+    response_mode: int, cause: str
+) -> None:
+    d = director()
+    s = RequestStream(d, 1 << 30)
+    s.on_message(headers(response_mode=response_mode))
+    s.on_message(body(BODY, True))
+    assert d.datastore.total_in_flight() == 1
+    s.close()
+    s.close()  # released once
+    released = {c: sample(d, "epp_requests_released_total", cause=c) for c in RELEASE_CAUSES}
+    assert released == {c: (1 if c == cause else None) for c in RELEASE_CAUSES}
+    assert d.datastore.total_in_flight() == 0
+
+
 # -- 3. figures and in-flight accounting of the endpoint that served the response -------------------
 
 
