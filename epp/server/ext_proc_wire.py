@@ -5,7 +5,9 @@ metadata, body echoes, immediate error responses). `ext_proc.py` runs the stream
 The destination, subset and served keys are the Inference Extension protocol's `x-gateway-destination-*`
 names, read and sent under those names only, as llm-d's router does after renaming its own control headers
 to `x-llm-d-*` (llm-d/llm-d-router pkg/epp/metadata/consts.go gives them no aliases; the request's control
-headers and their aliases are in `epp/requests.py`).
+headers and their aliases are in `epp/requests.py`). A draft of that rename (llm-d/llm-d-router PR #1161 at
+commit 29cd704) renamed these keys too, to `x-llm-d-router-destination-endpoint*`; review kept the
+protocol's names before it merged (issue #1152), so the draft's names are not read or sent here.
 """
 
 from __future__ import annotations

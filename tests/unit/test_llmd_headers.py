@@ -223,3 +223,21 @@ def test_the_subset_hint_and_the_served_endpoint_are_read_under_the_protocols_ke
         {"x-gateway-destination-endpoint-served": "10.0.0.1:80"}
     )
     assert served_endpoint(served) == "10.0.0.1:80"
+
+
+# llm-d/llm-d-router PR #1161 before review (commit 29cd704): renamed x-llm-d-* before it merged
+DRAFT_NAMES = (
+    ("x-llm-d-router-inference-objective", "batch"),
+    ("x-llm-d-router-model-name-rewrite", "served-lora"),
+)
+
+
+def test_the_draft_router_names_are_not_read_and_the_current_ones_still_win() -> None:
+    d = director()
+    s, out = routed(d, *DRAFT_NAMES)
+    assert destination(out[0]) == "10.0.0.0:80"
+    assert s.routed is not None
+    assert (s.routed.request.objective, s.routed.request.priority, s.routed.request.model) == (None, 0, "m")
+    assert json.loads(forwarded_body(out))["model"] == "m"
+    s, out = routed(d, *DRAFT_NAMES, (OBJECTIVE_HEADER, ""), (GIE_OBJECTIVE_HEADER, "batch"))
+    assert s.routed is not None and s.routed.request.objective is None  # llm-d's name, empty, still wins
