@@ -62,13 +62,17 @@ def headers(
     subset: object = None,
     path: bytes = b"/v1/chat/completions",
     response_mode: int = DUPLEX,
+    objective: bytes | None = None,
 ) -> pb.ProcessingRequest:
+    """Request headers as Envoy sends them; `objective`: an `x-gateway-inference-objective` header too."""
     hm = base_pb2.HeaderMap(
         headers=[
             base_pb2.HeaderValue(key=":path", raw_value=path),
             base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
         ]
     )
+    if objective is not None:
+        hm.headers.append(base_pb2.HeaderValue(key="x-gateway-inference-objective", raw_value=objective))
     req = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=hm, end_of_stream=eos),
         protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=response_mode),  # type: ignore[arg-type]
@@ -268,11 +272,7 @@ def test_slo_breach_for_a_sheddable_request_is_429_with_retry_after() -> None:
     d = director(n=1, config=parse_config(SLO_CONFIG, "slo.yaml"))
     d.datastore.record_metrics("10.0.0.0:80", MetricsSnapshot(observed_at=d.clock.now(), waiting=200))
     s = RequestStream(d, 1 << 30)
-    req = headers()
-    req.request_headers.headers.headers.append(
-        base_pb2.HeaderValue(key="x-gateway-inference-objective", raw_value=b"batch")
-    )
-    s.on_message(req)
+    s.on_message(headers(objective=b"batch"))
     [resp] = s.on_message(body(BODY, True))
     ir = resp.immediate_response
     assert ir.status.code == 429

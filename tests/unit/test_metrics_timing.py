@@ -3,7 +3,6 @@ duration from its headers, in the reference's buckets."""
 
 from __future__ import annotations
 
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from epp.server.director import Director
@@ -26,11 +25,7 @@ def test_a_cycle_that_sheds_the_request_is_observed() -> None:
     d = director(n=1)
     d.datastore.record_metrics("10.0.0.0:80", MetricsSnapshot(observed_at=d.clock.now(), waiting=10_000))
     s = RequestStream(d, 1 << 30)
-    req = headers()
-    req.request_headers.headers.headers.append(
-        base_pb2.HeaderValue(key="x-gateway-inference-objective", raw_value=b"batch")
-    )
-    s.on_message(req)
+    s.on_message(headers(objective=b"batch"))
     [resp] = s.on_message(body(BODY, True))
     assert resp.immediate_response.status.code == 429
     assert sample(d, CYCLES) == 1
