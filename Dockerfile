@@ -13,7 +13,11 @@ FROM python:3.11-slim
 # it into the cache (EPP_NUMBA_CACHE_SEED) before it loads them: a new pod is ready in about a second
 # instead of compiling for 30-40 s of one core (docs/deployment.md, "Startup").
 ARG NUMBA_CPU_NAME=x86-64-v2
+# The source commit the image is built from, for the `inference_extension_info` metric:
+#   docker build --build-arg EPP_BUILD_COMMIT=$(git rev-parse HEAD) -t epp:0.1.0 .
+ARG EPP_BUILD_COMMIT=unknown
 ENV PYTHONDONTWRITEBYTECODE=1 \
+    EPP_BUILD_COMMIT=${EPP_BUILD_COMMIT} \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/tmp/numba-cache \
     NUMBA_CPU_NAME=${NUMBA_CPU_NAME} \

@@ -111,7 +111,7 @@ class EppServer:
         self.datastore = Datastore(self.clock, settings.unhealthy_after_failures)
         for ep in (*config.endpoints, *endpoints):
             self.datastore.add_endpoint(ep.address, ep.model)
-        self.metrics = EppMetrics()
+        self.metrics = EppMetrics(commit=os.environ.get("EPP_BUILD_COMMIT", "unknown"))
         self.metrics.attach_pool(self.datastore, self.clock, settings.pool_name)
         # The KV index and what feeds it (events off: the index stays empty, scorers give 0).
         kv = config.kv_events

@@ -256,6 +256,7 @@ class Director:
             m.pick_modes(decision.mode).inc()
         model, target = self.model_labels(request, parsed.incoming_model)
         m.requests(model, target).inc()
+        m.request_sizes(model, target).observe(request.body_bytes)
         m.running(model).inc()
         observable = request.stream and streamed_response
         ticket = accounting.begin(self.datastore, request, decision, t1, observable, self.cost)
@@ -382,20 +383,29 @@ class Director:
         )
 
     def finish(
-        self, routed: RoutedRequest, cause: str, usage: Usage | None = None, usage_invalid: bool = False
+        self,
+        routed: RoutedRequest,
+        cause: str,
+        usage: Usage | None = None,
+        usage_invalid: bool = False,
+        response_bytes: int | None = None,
     ) -> None:
         """Release the request's in-flight accounting (idempotent). cause: complete|error|disconnect|
         unobserved (`error` also for a 2xx stream that carried an error event, whose usage, when it sent
         one, is recorded all the same: the tokens were spent; `unobserved`: the stream ended and Envoy
         sent nothing of the response, `RequestStream.close`). `usage_invalid`: the response's usage had an
-        impossible count and was ignored."""
+        impossible count and was ignored. `response_bytes`: the response body's size, when Envoy sent the
+        body (None under response_body_mode NONE)."""
         if not self.datastore.release(routed.ticket):
             return
         m = self.metrics
         model, target = routed.labels
         m.released(cause).inc()
         m.running(model).dec()
-        m.request_duration(model, target).observe(self.clock.now() - routed.received_at)
+        duration = self.clock.now() - routed.received_at
+        m.request_duration(model, target).observe(duration)
+        if response_bytes is not None:
+            m.response_sizes(model, target).observe(response_bytes)
         ep = routed.endpoint
         in_pool = self._in_pool(routed)
         if usage_invalid and in_pool:
@@ -403,6 +413,8 @@ class Director:
         if usage is not None:
             m.input_tokens(model, target).observe(usage.prompt_tokens)
             m.output_tokens(model, target).observe(usage.completion_tokens)
+            if usage.completion_tokens > 0:  # (the reference's NTPOT: the whole duration per output token)
+                m.ntpot(model, target).observe(duration / usage.completion_tokens)
         if usage is not None and in_pool:
             m.usage_tokens(ep, "prompt").inc(usage.prompt_tokens)
             m.usage_tokens(ep, "cached").inc(usage.cached_tokens)

@@ -107,6 +107,7 @@ class RequestStream:
         self.routed: RoutedRequest | None = None
         self.pending: _Pending | None = None  # parsed, its prompt being tokenized in the worker thread
         self.usage: UsageReader | None = None
+        self.response_bytes = 0  # of the response body Envoy sent (response body modes other than NONE)
         self.done = False
         self.expired = False  # its body did not complete in time (`expire_body`): refused, budget given back
         self.timeout = 0.0  # the body's deadline it missed (seconds), once expired
@@ -390,6 +391,7 @@ class RequestStream:
 
     def _response_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
         routed = self.routed
+        self.response_bytes += len(body.body)
         if routed is not None:
             usage = self.usage
             try:
@@ -425,7 +427,9 @@ class RequestStream:
         status = self.routed.status if self.routed is not None else None
         return "complete" if status is None or 200 <= status < 300 else "error"
 
-    def _finish(self, cause: str) -> None:
+    def _finish(self, cause: str, ended: bool = True) -> None:
+        """Release the routed request with its figures; `ended`: its response's end was seen (its body's
+        size is then known, when Envoy sent the body)."""
         routed = self.routed
         if routed is None:
             return
@@ -442,7 +446,8 @@ class RequestStream:
         if cause == "complete" and routed.stream_error is not None:
             cause = "error"  # a 2xx stream that carried an error event; its usage is still recorded
         try:
-            self.director.finish(routed, cause, usage, invalid)
+            sent = self.response_bytes if ended and self.response_mode != 0 else None  # (NONE: no body sent)
+            self.director.finish(routed, cause, usage, invalid, sent)
         except Exception:
             self.director.bookkeeping_failed("releasing the request")
             try:  # the in-flight accounting at least (idempotent)
@@ -454,7 +459,7 @@ class RequestStream:
         """The stream ended: release whatever is still held (client gone, Envoy reset)."""
         self._drop_body()
         if self.routed is not None:
-            self._finish(self._close_cause())
+            self._finish(self._close_cause(), ended=False)
 
     def _close_cause(self) -> str:
         """Why a request whose response's end the EPP did not see is released at the stream's end. When

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+import epp
 from epp.clock import Clock
 from epp.costmodel.service import CostModel
 from epp.datastore import Datastore
@@ -74,6 +75,12 @@ _REQUEST_DURATION_BUCKETS = (
     *(60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600),
 )
 _TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+# The reference's buckets for the request and response sizes and the normalized time per output token
+# (pkg/epp/metrics/metrics.go), so its dashboards read the same: requests 64 B to 1 GiB; responses 1 B to
+# 64 KiB (its choice: longer answers land in +Inf); NTPOT 1 ms to 10 s per token.
+_REQUEST_SIZE_BUCKETS = tuple(float(2**e) for e in range(6, 31))
+_RESPONSE_SIZE_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536)
+_NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 class _PoolCollector(Collector):
@@ -97,6 +104,14 @@ class _PoolCollector(Collector):
             "inference_pool_average_queue_size", "Mean waiting queue of ready endpoints", labels=["name"]
         )
         queue.add_metric([self.pool_name], sum(m.waiting for m in scraped) / len(scraped) if scraped else 0.0)
+        per_pod = GaugeMetricFamily(
+            "inference_pool_per_pod_queue_size",
+            "Requests waiting in each ready endpoint's queue (its last scrape)",
+            labels=["name", "model_server_pod"],
+        )
+        for r in ready:
+            if r.metrics is not None:
+                per_pod.add_metric([self.pool_name, r.id], r.metrics.waiting)
         pods = GaugeMetricFamily("inference_pool_ready_pods", "Ready endpoints in the pool", labels=["name"])
         pods.add_metric([self.pool_name], len(ready))
         in_flight = GaugeMetricFamily(
@@ -121,7 +136,7 @@ class _PoolCollector(Collector):
             healthy.add_metric([r.id], 1.0 if r.healthy else 0.0)
             if r.metrics is not None:  # never scraped: no sample (a -1 would read as fresh to max() or <)
                 age.add_metric([r.id], now - r.metrics.observed_at)
-        yield from (kv, queue, pods, in_flight, in_tokens, healthy, age)
+        yield from (kv, queue, per_pod, pods, in_flight, in_tokens, healthy, age)
 
 
 class _TokenizingCollector(Collector):
@@ -208,7 +223,9 @@ class EppMetrics:
     `registry` holds everything (read it on the event loop: tests, `epp.docs_reference`); it holds
     `threadsafe`, where the prometheus_client metrics are, and the live collectors (`attach_live`)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, commit: str = "unknown") -> None:
+        """`commit`: the build's source commit for `inference_extension_info` (`EPP_BUILD_COMMIT`, which
+        an image build sets: the Dockerfile's `--build-arg EPP_BUILD_COMMIT=...`)."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.threadsafe = r = CollectorRegistry(auto_describe=True)
         self._live: list[Collector] = []
@@ -222,6 +239,13 @@ class EppMetrics:
         ) -> Children[Histogram]:
             return Children(Histogram(name, doc, labels, buckets=buckets, registry=r))
 
+        info = Gauge(
+            "inference_extension_info",
+            "This build: its source commit and version",
+            ["commit", "build_ref"],
+            registry=r,
+        )
+        info.labels(commit or "unknown", epp.__version__).set(1)
         self.requests = counter("inference_objective_request_total", "Requests received", models)
         self.request_errors = counter(
             "inference_objective_request_error_total",
@@ -233,6 +257,21 @@ class EppMetrics:
             "From the request's headers to the end of the response",
             models,
             _REQUEST_DURATION_BUCKETS,
+        )
+        self.request_sizes = histogram(
+            "inference_objective_request_sizes", "Request body bytes", models, _REQUEST_SIZE_BUCKETS
+        )
+        self.response_sizes = histogram(
+            "inference_objective_response_sizes",
+            "Response body bytes (when Envoy sends the response body)",
+            models,
+            _RESPONSE_SIZE_BUCKETS,
+        )
+        self.ntpot = histogram(
+            "inference_objective_normalized_time_per_output_token_seconds",
+            "Request duration over its output tokens (from usage)",
+            models,
+            _NTPOT_BUCKETS,
         )
         self.input_tokens = histogram(
             "inference_objective_input_tokens", "Prompt tokens (from usage)", models, _TOKEN_BUCKETS
