@@ -34,7 +34,7 @@ same messages, tools and template flags:
 
 Not reproduced: `previous_response_id` / `previous_response` (vLLM puts the stored conversation first, and
 the EPP does not hold it): such a request's prompt is unknown (unkeyed, "stored_history"); and gpt-oss
-models, which vLLM renders with Harmony instead of a chat template.
+models, which vLLM renders with Harmony instead of a chat template (unkeyed, "harmony": `prompt.py`).
 """
 
 from __future__ import annotations

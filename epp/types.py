@@ -204,7 +204,8 @@ class ChatOptions:
 class PromptTokens:
     """A prompt's token ids computed ahead of scheduling (the server tokenizes long text and chat prompts in a
     worker thread, `epp/server/tokenizing.py`), or why they cannot be known (`unkeyed`: "no_tokenizer",
-    "too_long", "tokenizer_error", "multimodal", ...: `epp_kv_unkeyed_requests_total`'s reasons)."""
+    "too_long", "tokenizer_error", "multimodal", "harmony", ...: `epp_kv_unkeyed_requests_total`'s
+    reasons)."""
 
     ids: npt.NDArray[np.int32] | Sequence[int] | None
     unkeyed: str | None = None

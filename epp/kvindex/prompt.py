@@ -27,6 +27,12 @@ What "as the engine would" means here (vLLM 0.32 with a fast Hugging Face tokeni
   the detected one, its kwargs are merged under the request's (`chat_inputs.template_inputs`).
 - A rendered chat longer than `max_chars` is not encoded (`PromptTooLong`): a template can render a small
   body to megabytes (tool schemas under `tojson(indent=4)`).
+- What vLLM computes another way is not guessed at (`NotReproduced`, with the unkeyed reason to report):
+  a gpt-oss model's chats (config.json's `model_type` "gpt_oss"), which vLLM renders with Harmony
+  (`openai_harmony`), never with the Jinja template (`OnlineRenderer.use_harmony`,
+  `vllm/renderers/online_renderer.py`, for chat completions and Responses); its completions' text prompts
+  are encoded as usual (`render_completion` does not use Harmony), and so are embeddings' chats (the
+  pooling path renders the template).
 
 Speed: repeated long prefixes are not tokenized again. `prefix_cache.py` keeps the ids of text chunks
 cut at stable boundaries (which cuts are stable for which pipelines, checked at load time:
@@ -66,7 +72,9 @@ from epp.kvindex.tokenizer_files import (
 from epp.types import ApiKind, ChatOptions, InferenceRequest
 
 __all__ = [
+    "HARMONY",
     "MultimodalPrompt",
+    "NotReproduced",
     "PromptTokenizer",
     "PromptTooLong",
     "ServerChatSettings",
@@ -91,6 +99,18 @@ class PromptTooLong(TokenizerError):
 
 class MultimodalPrompt(TokenizerError):
     """A message has a part that is not text (an image, audio...): the prompt's ids cannot be known here."""
+
+
+HARMONY = "harmony"  # a gpt-oss chat: vLLM renders it with Harmony, not the chat template
+
+
+class NotReproduced(TokenizerError):
+    """vLLM computes this request's prompt ids in a way the EPP does not reproduce: keying it with the ids
+    computed here would give keys no engine holds. `reason` is the unkeyed reason to report."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class PromptTokenizer:
@@ -127,6 +147,8 @@ class PromptTokenizer:
         is read by `from_dir`)."""
         self.name = name
         self.server = server
+        # vLLM's `use_harmony`: the model's config.json says gpt_oss (the EPP reads the tokenizer directory's)
+        self.harmony = (model_config or {}).get("model_type") == "gpt_oss"
         try:
             self._tok, self.special_tokens, changed = configure(tokenizer, config or {}, model_config, spec)
         except TokenizerError as e:
@@ -358,10 +380,22 @@ class PromptTokenizer:
         add = add_special_tokens and not template_tokenizes(chat_template_kwargs)
         return self.encode_text(text, add_special_tokens=add)
 
+    def unkeyed_reason(self, request: InferenceRequest) -> str | None:
+        """Why vLLM's prompt ids for this request cannot be computed here (the reason to report), or None.
+        A gpt-oss chat (`HARMONY`): vLLM renders chat completions and Responses requests with Harmony; the
+        ids of the Jinja template's text would be wrong, not merely unknown."""
+        if self.harmony and request.messages is not None and request.api_kind is not ApiKind.EMBEDDINGS:
+            return HARMONY
+        return None
+
     def encode_request(self, request: InferenceRequest, *, max_chars: int | None = None) -> TokenIds | None:
         """The prompt ids of a parsed request (chat messages with its chat options, else the completions
         prompt), with its `add_special_tokens` (default: False for chat, True for a text prompt), or None.
-        `max_chars` bounds the rendered chat (PromptTooLong)."""
+        `max_chars` bounds the rendered chat (PromptTooLong). A request whose ids vLLM computes another way
+        (`unkeyed_reason`) raises NotReproduced."""
+        reason = self.unkeyed_reason(request)
+        if reason is not None:
+            raise NotReproduced(reason, f"{self.name}: vLLM computes these prompt ids another way ({reason})")
         add = request.add_special_tokens
         if request.messages is not None:
             c = request.chat or _DEFAULT_CHAT

@@ -16,7 +16,13 @@ from epp.kvindex.chat_template import ChatTemplateError
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
-from epp.kvindex.prompt import MultimodalPrompt, PromptTooLong, TokenizerError, TokenizerRegistry
+from epp.kvindex.prompt import (
+    MultimodalPrompt,
+    NotReproduced,
+    PromptTooLong,
+    TokenizerError,
+    TokenizerRegistry,
+)
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.requests import CHARS_PER_TOKEN
 from epp.types import InferenceRequest, PromptTokens
@@ -40,7 +46,7 @@ class KvIndexService:
     tokenizers: TokenizerRegistry
     block_size: int
     # model -> requests that could not be keyed, by reason ("no_tokenizer", "too_long", "tokenizer_error",
-    # "multimodal", "tokenizer_busy", "stored_history")
+    # "multimodal", "tokenizer_busy", "stored_history", "harmony", ...: `PromptTokens.unkeyed`)
     unkeyed: Counter[tuple[str, str]] = field(default_factory=Counter)
     # the plugins that read prompts' tokens (they register when built): without any, the server does
     # not tokenize ahead of scheduling
@@ -71,7 +77,8 @@ class KvIndexService:
             return 0
         if request.messages is None and request.prompt is None:
             return 0
-        if self.tokenizers.get(request.model) is None:
+        tok = self.tokenizers.get(request.model)
+        if tok is None or tok.unkeyed_reason(request) is not None:
             return 0
         chars = self._prompt_chars(request)
         return max(chars, 1) if chars <= self.max_keyed_prompt_chars else 0  # ("" is tokenized too)
@@ -87,10 +94,15 @@ class KvIndexService:
         tok = self.tokenizers.get(request.model)
         if tok is None:
             return _NO_TOKENIZER
+        reason = tok.unkeyed_reason(request)  # (whatever the prompt's size: the true reason)
+        if reason is not None:
+            return PromptTokens(None, reason)
         if self._prompt_chars(request) > self.max_keyed_prompt_chars:
             return _TOO_LONG
         try:
             ids = tok.encode_request(request, max_chars=self.max_keyed_prompt_chars)
+        except NotReproduced as e:
+            return PromptTokens(None, e.reason)
         except PromptTooLong:
             return _TOO_LONG
         except (MultimodalPrompt, NotTextContent):
