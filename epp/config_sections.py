@@ -17,7 +17,13 @@ from epp.durations import parse_duration
 from epp.kvindex.chat_inputs import ChatTemplateError
 from epp.kvindex.chat_template import ChatTemplate
 from epp.kvindex.ingest import MAX_DP_RANKS
-from epp.kvindex.server_chat import CONTENT_FORMATS, ServerChatSettings, TokenizerSpec, default_kwargs_problem
+from epp.kvindex.server_chat import (
+    CONTENT_FORMATS,
+    TOKENIZER_MODES,
+    ServerChatSettings,
+    TokenizerSpec,
+    default_kwargs_problem,
+)
 from epp.scheduling.admission import Admission
 from epp.scheduling.saturation import SaturationDetector
 from epp.tenancy import TenancyConfig
@@ -151,12 +157,14 @@ class IndexEntry(_Struct):
 
 class TokenizerEntry(_Struct):
     """A `tokenizers` value in its object form: the directory and the model's vLLM server-side chat settings
-    (`--default-chat-template-kwargs`, `--chat-template`, `--chat-template-content-format`)."""
+    (`--default-chat-template-kwargs`, `--chat-template`, `--chat-template-content-format`,
+    `--tokenizer-mode`)."""
 
     path: str
     default_chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    tokenizer_mode: str = "auto"
 
 
 class AdmissionEntry(_Struct):
@@ -236,9 +244,10 @@ def tokenizers_config(
     source: str, entries: Mapping[str, str | TokenizerEntry]
 ) -> dict[str, str | TokenizerSpec]:
     """`{model: directory}`, or `{model: {path, defaultChatTemplateKwargs, chatTemplate,
-    chatTemplateContentFormat}}`: an entry without server-side settings is its directory, as before. The
-    checks that need no file: the template file is read when the tokenizers load (`TokenizerRegistry`),
-    beside the directory, which may exist only where the EPP runs (`check-config --skip-tokenizers`)."""
+    chatTemplateContentFormat, tokenizerMode}}`: an entry without server-side settings is its directory, as
+    before. The checks that need no file: the template file is read when the tokenizers load
+    (`TokenizerRegistry`), beside the directory, which may exist only where the EPP runs
+    (`check-config --skip-tokenizers`)."""
     out: dict[str, str | TokenizerSpec] = {}
     for model, entry in entries.items():
         where = f"tokenizers {model!r}"
@@ -263,6 +272,14 @@ def tokenizers_config(
                 f"must be one of {', '.join(CONTENT_FORMATS)} (vLLM's --chat-template-content-format), "
                 f"got {entry.chat_template_content_format!r}",
             )
+        if entry.tokenizer_mode not in TOKENIZER_MODES:
+            raise ConfigError(
+                source,
+                where,
+                "tokenizerMode",
+                f"must be one of {', '.join(TOKENIZER_MODES)} (vLLM's --tokenizer-mode; the EPP reproduces "
+                f"only Hugging Face tokenizers), got {entry.tokenizer_mode!r}",
+            )
         template = entry.chat_template
         if template is not None and not template.strip():
             raise ConfigError(source, where, "chatTemplate", "must be a template file or a template, got ''")
@@ -273,7 +290,9 @@ def tokenizers_config(
                 ChatTemplate(template)
             except ChatTemplateError as e:
                 raise ConfigError(source, where, "chatTemplate", f"not a valid chat template: {e}") from None
-        chat = ServerChatSettings(dict(kwargs), template, entry.chat_template_content_format)
+        chat = ServerChatSettings(
+            dict(kwargs), template, entry.chat_template_content_format, entry.tokenizer_mode
+        )
         out[model] = entry.path if chat.is_default else TokenizerSpec(entry.path, chat)
     return out
 

@@ -32,7 +32,10 @@ What "as the engine would" means here (vLLM 0.32 with a fast Hugging Face tokeni
   (`openai_harmony`), never with the Jinja template (`OnlineRenderer.use_harmony`,
   `vllm/renderers/online_renderer.py`, for chat completions and Responses); its completions' text prompts
   are encoded as usual (`render_completion` does not use Harmony), and so are embeddings' chats (the
-  pooling path renders the template).
+  pooling path renders the template). And every text and chat prompt of a model whose vLLM runs
+  `mistral_common`'s tokenizer (`MISTRAL_TOKENIZER`): `--tokenizer-mode mistral`, or `auto` (vLLM's
+  default) with Mistral's files in the directory (`tokenizer_files.mistral_files`), unless the server
+  settings say `hf`; token-id prompts are keyed as given.
 
 Speed: repeated long prefixes are not tokenized again. `prefix_cache.py` keeps the ids of text chunks
 cut at stable boundaries (which cuts are stable for which pipelines, checked at load time:
@@ -62,6 +65,7 @@ from epp.kvindex.stable_cuts import special_affixes, stable_chunker
 from epp.kvindex.tokenizer_files import (
     TokenizerError,
     configure,
+    mistral_files,
     processor_template,
     read_config,
     read_json,
@@ -73,6 +77,7 @@ from epp.types import ApiKind, ChatOptions, InferenceRequest
 
 __all__ = [
     "HARMONY",
+    "MISTRAL_TOKENIZER",
     "MultimodalPrompt",
     "NotReproduced",
     "PromptTokenizer",
@@ -102,6 +107,7 @@ class MultimodalPrompt(TokenizerError):
 
 
 HARMONY = "harmony"  # a gpt-oss chat: vLLM renders it with Harmony, not the chat template
+MISTRAL_TOKENIZER = "mistral_tokenizer"  # vLLM tokenizes and renders with mistral_common, not transformers
 
 
 class NotReproduced(TokenizerError):
@@ -137,6 +143,7 @@ class PromptTokenizer:
         processor_chat_template: tuple[str, str] | None = None,
         server_chat_template: tuple[str, str] | None = None,
         server: ServerChatSettings = _NO_SETTINGS,
+        mistral_tokenizer: str | None = None,
     ) -> None:
         """`config`: tokenizer_config.json's (`read_config`); `model_config`: config.json's
         (`read_model_config`); `spec`: the parsed tokenizer.json (to decide which cuts are stable);
@@ -144,9 +151,11 @@ class PromptTokenizer:
         `processor_chat_template`: a multimodal processor's template and its file (`processor_template`);
         `server_chat_template`: the server's --chat-template and where it came from (`server_template`),
         which replaces the others; `server`: the server's kwargs and content format (its `chat_template`
-        is read by `from_dir`)."""
+        is read by `from_dir`); `mistral_tokenizer`: why vLLM runs Mistral's tokenizer for this model (the
+        files found or the mode, `from_dir`), None when it runs Transformers'."""
         self.name = name
         self.server = server
+        self.mistral_tokenizer = mistral_tokenizer
         # vLLM's `use_harmony`: the model's config.json says gpt_oss (the EPP reads the tokenizer directory's)
         self.harmony = (model_config or {}).get("model_type") == "gpt_oss"
         try:
@@ -236,6 +245,7 @@ class PromptTokenizer:
             processor_chat_template=None if processor is None else (processor, processor_origin),
             server_chat_template=server_chat_template,
             server=server,
+            mistral_tokenizer=_mistral_tokenizer(root, server.tokenizer_mode),
         )
 
     def _encode_body(self, text: str) -> list[int]:
@@ -383,7 +393,12 @@ class PromptTokenizer:
     def unkeyed_reason(self, request: InferenceRequest) -> str | None:
         """Why vLLM's prompt ids for this request cannot be computed here (the reason to report), or None.
         A gpt-oss chat (`HARMONY`): vLLM renders chat completions and Responses requests with Harmony; the
-        ids of the Jinja template's text would be wrong, not merely unknown."""
+        ids of the Jinja template's text would be wrong, not merely unknown. Any text or chat prompt of a
+        model vLLM tokenizes with `mistral_common` (`MISTRAL_TOKENIZER`)."""
+        if self.mistral_tokenizer is not None and (
+            request.messages is not None or isinstance(request.prompt, str)
+        ):
+            return MISTRAL_TOKENIZER
         if self.harmony and request.messages is not None and request.api_kind is not ApiKind.EMBEDDINGS:
             return HARMONY
         return None
@@ -425,6 +440,19 @@ class PromptTokenizer:
             self._cache.clear()
 
 
+def _mistral_tokenizer(root: Path, mode: str) -> str | None:
+    """Why vLLM runs `mistral_common`'s tokenizer for the model of this directory with this
+    `--tokenizer-mode`, or None (Transformers', which the EPP reproduces)."""
+    if mode == "mistral":
+        return "tokenizerMode: mistral"
+    if mode != "auto":
+        return None
+    found = mistral_files(root)
+    if not found:
+        return None
+    return f"{', '.join(found)} in the directory (vLLM's --tokenizer-mode auto; set tokenizerMode: hf if not)"
+
+
 class TokenizerRegistry:
     """model name -> PromptTokenizer, `{model: path}` (or a `TokenizerSpec`: the path and the model's
     server-side chat settings); unknown model -> None (precise scoring off)."""
@@ -452,6 +480,11 @@ class TokenizerRegistry:
 
     def get(self, model: str) -> PromptTokenizer | None:
         return self._by_model.get(model)
+
+    def mistral_models(self) -> dict[str, str]:
+        """The models whose text and chat prompts are unkeyed (`MISTRAL_TOKENIZER`), with why: the server
+        logs them once at load time."""
+        return {m: t.mistral_tokenizer for m, t in self._by_model.items() if t.mistral_tokenizer is not None}
 
     def models(self) -> list[str]:
         return list(self._by_model)

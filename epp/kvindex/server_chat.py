@@ -19,6 +19,12 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 """vLLM's `ChatTemplateContentFormatOption` (`--chat-template-content-format`): "auto" detects the format
 from the template's AST (`chat_template.detect_content_format`), the others force it."""
 
+TOKENIZER_MODES = ("auto", "hf", "mistral")
+"""The `--tokenizer-mode` values mirrored: "auto" is Mistral's tokenizer when the directory has Mistral's
+files (`tokenizer_files.mistral_files`), else Hugging Face's; "hf" always Hugging Face's (the one the EPP
+reproduces); "mistral" always `mistral_common`'s (not reproduced: text and chat prompts are unkeyed). vLLM's
+other modes (`slow`, `deepseek_v32`, `custom`, ...) load tokenizers the EPP does not reproduce either."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServerChatSettings:
@@ -28,16 +34,23 @@ class ServerChatSettings:
     `BaseFrontendArgs`): `--default-chat-template-kwargs` (a JSON object, "merged with request-level
     chat_template_kwargs, with request values taking precedence"), `--chat-template` (a file path, else the
     template itself: `vllm/renderers/chat_utils/chat_template.py`, `load_chat_template`), and
-    `--chat-template-content-format` (`auto`, `string`, `openai`)."""
+    `--chat-template-content-format` (`auto`, `string`, `openai`); and vLLM's engine flag `--tokenizer-mode`
+    (`vllm/config/model.py`, `TOKENIZER_MODES`), which decides whose tokenizer and renderer run."""
 
     default_kwargs: Mapping[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # the config's value: a file path or the template itself
     content_format: str = "auto"
+    tokenizer_mode: str = "auto"
 
     @property
     def is_default(self) -> bool:
         """Whether these are vLLM's defaults (nothing to mirror)."""
-        return not self.default_kwargs and self.chat_template is None and self.content_format == "auto"
+        return (
+            not self.default_kwargs
+            and self.chat_template is None
+            and self.content_format == "auto"
+            and self.tokenizer_mode == "auto"
+        )
 
 
 @dataclass(frozen=True, slots=True)

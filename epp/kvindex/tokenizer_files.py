@@ -28,6 +28,9 @@ classes' `__init__`), checked against it (tests/unit/test_tokenizer_transformers
 - `fix_mistral_regex: true` in the config replaces the pre-tokenizer's regex for a vocabulary over 100,000
   when config.json is a Mistral model's saved before transformers 5 (or does not say by which).
 - A server's `--chat-template` (`server_template`): a file, else the template itself, as vLLM resolves it.
+- Mistral's own format (`mistral_files`): with `--tokenizer-mode auto`, vLLM loads `mistral_common`'s
+  tokenizer and renderer instead of transformers' when the repo has `tekken.json` or `tokenizer.model.v*`
+  (and, since vLLM PR #33253, `consolidated*.safetensors` weights): not reproduced.
 - Chat templates: `chat_template.jinja` and `additional_chat_templates/*.jinja` win over the config's.
   `chat_template.json` is a multimodal processor's template: read only beside a processor config
   (`processor_config.json` / `preprocessor_config.json`), where vLLM uses it for chats without tools.
@@ -42,6 +45,7 @@ Checked against 5.19 only (vLLM 0.32 allows 5.16.1 to 5.19; the model-type table
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -100,6 +104,21 @@ def read_model_config(root: Path) -> dict[str, Any] | None:
     config = _read_object(root / "config.json")
     keys = ("model_type", "tokenizer_class", "transformers_version")
     return {k: config[k] for k in keys if isinstance(config.get(k), str)}
+
+
+_MISTRAL_PATTERNS = ("tekken.json", "tokenizer.model.v*")
+
+
+def mistral_files(root: Path) -> list[str]:
+    """The files under `root` that make vLLM's `--tokenizer-mode auto` pick Mistral's tokenizer
+    (`resolve_tokenizer_args`, vllm/tokenizers/registry.py: file names anywhere in the repo matching
+    `tekken.json` or `tokenizer.model.v*`, by fnmatch on the base name, as `list_filtered_repo_files`).
+
+    vLLM also requires `consolidated*.safetensors` weights (`is_mistral_model_repo`); a tokenizer
+    directory seldom holds weights, so that part is not checked: the safe side is to key nothing (a repo
+    without those weights runs Transformers' tokenizer in vLLM: the config says so, `tokenizerMode: hf`)."""
+    found = (p for p in root.rglob("*") if any(fnmatch.fnmatch(p.name, m) for m in _MISTRAL_PATTERNS))
+    return sorted(str(p.relative_to(root)) for p in found if p.is_file())
 
 
 def _read_text(path: Path) -> str:

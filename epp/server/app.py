@@ -127,6 +127,14 @@ class EppServer:
             config.index.block_size,
             max_keyed_prompt_chars=config.index.max_keyed_prompt_chars,
         )
+        for model, why in self.kv.tokenizers.mistral_models().items():
+            # said once, here: each request only counts in epp_kv_unkeyed_requests_total
+            log.warning(
+                "model %r: vLLM runs Mistral's tokenizer (%s), which the EPP does not reproduce: its text "
+                "and chat prompts are routed by load (reason mistral_tokenizer)",
+                model,
+                why,
+            )
         self.ingest = KvIngest(
             self.kv_index, self.freshness, self._model_of, replay_available=kv.replay_port is not None
         )
