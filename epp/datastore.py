@@ -36,6 +36,7 @@ class EndpointRecord:
     decoding_requests: int = 0
     decoding_tokens: int = 0
     added_at: float = 0.0
+    name: str | None = None  # the reference's endpoint name (`<pod>-rank-<i>`) when discovery knows the pod
     _view: Endpoint | None = None
 
     def view(self) -> Endpoint:
@@ -114,6 +115,11 @@ class Datastore:
             self.remove_endpoint(ep)
         added = {ep for ep, model in wanted.items() if self.add_endpoint(ep, model)}
         return added, removed
+
+    def set_names(self, names: Mapping[EndpointId, str]) -> None:
+        """Name the endpoints (what metrics call them where the reference names a pod); others get none."""
+        for ep, rec in self._records.items():
+            rec.name = names.get(ep)
 
     def served_models(self) -> frozenset[str]:
         """Every model name the endpoints serve: configured, named by their metrics, and the LoRA adapters

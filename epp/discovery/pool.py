@@ -204,7 +204,19 @@ def pod_endpoints(pod: Mapping[str, Any], pool: PoolSpec) -> list[str]:
 
 def pool_endpoints(pool: PoolSpec, pods: Iterable[Mapping[str, Any]]) -> list[str]:
     """Every candidate pod's endpoints, sorted and without duplicates."""
-    out: set[str] = set()
+    return sorted(pool_endpoint_names(pool, pods))
+
+
+def pool_endpoint_names(pool: PoolSpec, pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Every candidate pod's endpoints, each with the name the reference gives it: `<pod>-rank-<i>`, where i
+    is the port's place among the pool's target ports (its datastore's endpoint names, which its
+    `inference_pool_per_pod_queue_size` puts in `model_server_pod`). Two pods claiming one address (a
+    stale IP) keep the name of the one listed last."""
+    out: dict[str, str] = {}
     for pod in pods:
-        out.update(pod_endpoints(pod, pool))
-    return sorted(out)
+        if exclusion(pod, pool) is not None:
+            continue
+        ip, name = pod["status"]["podIP"], object_name(pod)
+        for port in active_ports(pod, pool.ports):
+            out[parse_endpoint_address(f"{ip}:{port}")] = f"{name}-rank-{pool.ports.index(port)}"
+    return out

@@ -13,7 +13,7 @@ handled here.
 Who decides the spec is the subclass: `PoolWatcher` (`watcher.py`) reads it from an InferencePool
 and calls `_track` / `_untrack` as the pool changes or goes; `SelectorWatcher`
 (`selector_watcher.py`) tracks the fixed `--endpoint-selector` / `--endpoint-target-ports` from the
-start. After a change the endpoint set (`epp.discovery.pool.pool_endpoints`) goes to
+start. After a change the endpoint set (`epp.discovery.pool.pool_endpoint_names`) goes to
 `Datastore.set_endpoints`; `on_change` lets the scraper and KV-event subscriber follow at once.
 
 `ready` is whether a spec is tracked and its pods have been listed; `wait_ready_change` lets the
@@ -30,7 +30,7 @@ from typing import Any
 
 from epp.datastore import Datastore
 from epp.discovery.client import resource_version
-from epp.discovery.pool import PoolSpec, object_name, pool_endpoints
+from epp.discovery.pool import PoolSpec, object_name, pool_endpoint_names
 from epp.discovery.selector import LabelSelector
 from epp.discovery.settings import DiscoverySettings
 from epp.discovery.watch_loop import DiscoveryObserver, ListWatcher, error_kind
@@ -63,6 +63,7 @@ class PodTracker(ListWatcher):
         self.pods: dict[str, Mapping[str, Any]] = {}
         self.pods_rv: str | None = None
         self.endpoints: list[str] = []
+        self.names: dict[str, str] = {}
         self.synced = False  # a spec was tracked and its pods listed at least once
         self._pods_listed = False  # the current spec's pods have been listed (reset by `_untrack`)
         self._was_ready = False
@@ -193,14 +194,16 @@ class PodTracker(ListWatcher):
     def _publish(self, force_report: bool = False) -> None:
         """Hand the endpoint set to the datastore when it changed (and tell readiness when it changed)."""
         self._note_readiness()
-        endpoints = pool_endpoints(self.pool, self.pods.values()) if self.pool is not None else []
-        if endpoints == self.endpoints and self._published:
+        names = pool_endpoint_names(self.pool, self.pods.values()) if self.pool is not None else {}
+        endpoints = sorted(names)
+        if endpoints == self.endpoints and names == self.names and self._published:
             if force_report and self.observer is not None:
                 self.observer.on_discovery_endpoints(len(endpoints), self.synced)
             return
         self._published = True
         added, removed = self.datastore.set_endpoints((ep, None) for ep in endpoints)
-        self.endpoints = endpoints
+        self.datastore.set_names(names)
+        self.endpoints, self.names = endpoints, names
         if added or removed:
             log.info(
                 "%s: %d endpoints (added %s, removed %s)",

@@ -111,7 +111,7 @@ class _PoolCollector(Collector):
         )
         for r in ready:
             if r.metrics is not None:
-                per_pod.add_metric([self.pool_name, r.id], r.metrics.waiting)
+                per_pod.add_metric([self.pool_name, r.name or r.id], r.metrics.waiting)
         pods = GaugeMetricFamily("inference_pool_ready_pods", "Ready endpoints in the pool", labels=["name"])
         pods.add_metric([self.pool_name], len(ready))
         in_flight = GaugeMetricFamily(

@@ -94,6 +94,11 @@ async def test_the_initial_list_gives_the_ready_pods_one_endpoint_per_port(
     async with watching(api, tmp_path) as r:
         await asyncio.wait_for(r.watcher.wait_synced(), 10)
         assert r.ids() == {"10.0.0.1:8000", "10.0.0.1:8001"}
+        # Named as the reference's datastore names them (its per-pod metrics' `model_server_pod`).
+        assert {ep: r.datastore.get(ep).name for ep in r.ids()} == {  # type: ignore[union-attr]
+            "10.0.0.1:8000": "ready-rank-0",
+            "10.0.0.1:8001": "ready-rank-1",
+        }
         assert set(r.watcher.pods) == {"ready", "unready", "pending", "terminating"}  # the selector's pods
         # Both watches ask for bookmarks and start where their lists ended.
         await eventually(lambda: len(api.watch_requests(PODS)) >= 1, "pod watch opened")
@@ -129,6 +134,9 @@ async def test_pods_join_and_leave_as_they_change(api: FakeKubeApi, tmp_path: pa
         await r.until(set(), "b leaves when it no longer matches")
         api.add_pod("c", "10.0.0.3", APP)
         await r.until({"10.0.0.3:8000"})
+        api.delete_pod("c")
+        api.add_pod("c2", "10.0.0.3", APP)  # replaced at the same address: the same endpoint, renamed
+        await eventually(lambda: r.datastore.get("10.0.0.3:8000").name == "c2-rank-0", "renamed")  # type: ignore[union-attr]
         assert r.watcher.lists["pod"] == 1  # everything above came from one watch
         assert r.watcher.events[("pod", "deleted")] >= 2
         assert not r.watcher.errors

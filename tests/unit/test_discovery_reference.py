@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from epp.discovery.pool import parse_pool, pod_endpoints, pool_endpoints
+from epp.discovery.pool import parse_pool, pod_endpoints, pool_endpoint_names, pool_endpoints
 
 GAIE = "inference.networking.k8s.io/active-ports"
 LLMD = "llm-d.ai/active-ports"
@@ -90,3 +90,19 @@ def test_the_pool_set_honours_each_pods_annotation() -> None:
         pod("c", "10.0.0.3", {GAIE: ""}),
     ]
     assert pool_endpoints(POOL, pods) == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.2:8001", "10.0.0.2:8002"]
+
+
+def test_each_endpoint_is_named_as_the_reference_names_it_the_pod_and_its_ports_place_in_the_pool() -> None:
+    pods = [
+        pod("a", "10.0.0.1", {GAIE: "8002"}),  # the place among the pool's target ports, not the active ones
+        pod("b", "10.0.0.2"),
+        pod("c", "10.0.0.3", {GAIE: ""}),
+        {**pod("d", "10.0.0.4"), "status": {"podIP": "10.0.0.4"}},  # not ready: not an endpoint
+    ]
+    assert pool_endpoint_names(POOL, pods) == {
+        "10.0.0.1:8002": "a-rank-2",
+        "10.0.0.2:8000": "b-rank-0",
+        "10.0.0.2:8001": "b-rank-1",
+        "10.0.0.2:8002": "b-rank-2",
+    }
+    assert sorted(pool_endpoint_names(POOL, pods)) == pool_endpoints(POOL, pods)

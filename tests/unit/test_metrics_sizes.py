@@ -89,6 +89,12 @@ def test_the_per_pod_queue_size_is_each_scraped_endpoint_in_rotation_s_waiting_q
         for pod in ("10.0.0.0:80", "10.0.0.1:80", "10.0.0.2:80", "10.0.0.9:80")
     }
     assert got == {"10.0.0.0:80": 0.0, "10.0.0.1:80": 100.0, "10.0.0.2:80": None, "10.0.0.9:80": None}
+    d.datastore.set_names(
+        {"10.0.0.1:80": "vllm-7f9c-rank-0"}
+    )  # discovery knows the pod: the reference's name
+    assert sample(d, name, {"name": "pool", "model_server_pod": "vllm-7f9c-rank-0"}) == 100.0
+    assert sample(d, name, {"name": "pool", "model_server_pod": "10.0.0.1:80"}) is None
+    assert sample(d, name, {"name": "pool", "model_server_pod": "10.0.0.0:80"}) == 0.0
 
 
 def test_the_build_info_names_the_commit_given_and_the_version() -> None:
