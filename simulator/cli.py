@@ -124,7 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--max-num-batched-tokens", type=_positive(int), default=8192, help="token budget of an engine step"
     )
-    r.add_argument("--max-num-seqs", type=_positive(int), default=256, help="requests running at most")
+    r.add_argument(
+        "--max-num-seqs",
+        type=_positive(int),
+        default=1024,
+        help="requests running at most (vLLM's default for its server on an H100-class GPU)",
+    )
+    r.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's engine core schedules a step while the one before runs (vLLM's default): a request "
+        "arriving mid-step joins a step later; --no-async-scheduling: the synchronous core",
+    )
     r.add_argument(
         "--latency-profile",
         default=DEFAULT_PROFILE,
@@ -331,6 +343,7 @@ def run_replay(args: argparse.Namespace) -> int:
         cpu_blocks=args.cpu_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        async_scheduling=args.async_scheduling,
     )
     cluster = ClusterConfig(
         pods=args.pods,
@@ -371,6 +384,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "cpu_bandwidth_gb_per_s": args.cpu_bandwidth,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
+        "async_scheduling": args.async_scheduling,
         "latency_profile": args.latency_profile,
         "latency_coefficients": asdict(latency),
         "version": _version(),

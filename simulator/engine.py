@@ -18,17 +18,21 @@ splits its `Scheduler` and its `KVCacheManager`. Scheduling, per step (one forwa
    `max_num_seqs` run, each only if the blocks of its whole sequence fit (FCFS; `scheduler.py`).
 
 A request submitted while a step runs joins the queue the scheduler sees when the next step is
-scheduled, as vLLM's engine core takes in new requests between steps. A request needing more blocks
-than the engine holds is refused at `submit`. A request's first output token comes at the end of the
-step that completes its prefill; it finishes after `max_tokens`, and its blocks are then freed in
-reverse order.
+scheduled, as vLLM's engine core takes in new requests between steps. With async scheduling (vLLM's
+default, `EngineConfig.async_scheduling`) vLLM scheduled that next step already, while this one ran: the
+request reaches the scheduler a step later (`_held`, `_release`), unless nothing else runs then (vLLM's
+step scheduled ahead was empty); and a step scheduled while another ran sends its KV events and its
+stats when that one ends (`_scheduled`), as vLLM's `update_from_output` does (docs/simulator.md).
+A request needing more blocks than the engine holds is refused at `submit`. A request's first output
+token comes at the end of the step that completes its prefill; it finishes after `max_tokens`, and its
+blocks are then freed in reverse order.
 
 Spans: consecutive decode-only steps in which no request wakes (nothing waits, nothing prefills, no
 event is pending) change nothing but the step counter and the context length, so they run as one
 kernel event: the engine computes each step's end time as the kernel would (one after the other,
 `t + step_seconds(...)`) and schedules only the last one. Every observation gives the same answer
 mid-span (metrics, probes, `steps_ended`). A request submitted mid-span cuts the span at the end of
-the step in progress, where the step-by-step engine would have seen it.
+the step in progress (async: of the next one), where the step-by-step engine would have seen it.
 
 Abort (`abort`, a client gone): a waiting request leaves at once; a running or loading one leaves at
 the end of the step in progress, before that step's outputs are processed (vLLM's `EngineCore.step`
@@ -36,8 +40,9 @@ drains its aborts queue before `update_from_output`), so it gets no token from t
 finishes, even when that step would have given its last token. One aborted between two steps (or
 while the engine only waits for a load) leaves before the next is scheduled.
 
-Outputs: KV events (`events.py`) at the end of each step that produced any; `metrics()` as the
-EPP's scraper would read vLLM's `/metrics`: the stats of the end of the last step (`step_stats.py`);
+Outputs: KV events (`events.py`) at the end of each step that produced any (async: see above);
+`metrics()` as the EPP's scraper would read vLLM's `/metrics`: the stats of the end of the last step
+(`step_stats.py`);
 per-request `RequestRecord`s and the callbacks `on_first_token(record, t)` and `on_finish(record, t)`.
 """
 
@@ -116,6 +121,12 @@ class Engine:
         self._span_stats = False  # the span's first step's end has not been taken into `stats` yet
         self._aborts: list[ReqState] = []  # running requests aborted, leaving at the next step end or start
         self._arrivals: list[ReqState] = []  # waiting, submitted since the current step was scheduled
+        self._async = cfg.async_scheduling
+        self._held: list[tuple[int, ReqState]] = []  # async: (step in flight at submission, request), unseen
+        self._in_step = False  # a step (or a span) is scheduled and its end has not come
+        self._pipelined = (
+            False  # async: the step being scheduled follows one that ran (vLLM scheduled it then)
+        )
         self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
         self.steps = 0
@@ -157,6 +168,13 @@ class Engine:
         rec = RequestRecord(request, n, self.kernel.now())
         state = self.kv.new_request(rec, tokens)
         self._states[id(rec)] = state
+        if self._async and self._in_step:  # the step after this one is scheduled already
+            span = self._span
+            flight = self._step if span is None else span[0] + bisect_left(span[1], self.kernel.now())
+            self._held.append((flight, state))
+            if span is not None:
+                self._cut_span(1)
+            return rec
         self.waiting.append(state)
         self._arrivals.append(state)
         if self._span is not None:
@@ -179,6 +197,11 @@ class Engine:
         if r is None or r.rec is not rec:
             return False
         rec.aborted_s = self.kernel.now()
+        held = next((i for i, (_, h) in enumerate(self._held) if h is r), None)
+        if held is not None:
+            del self._held[held]
+            r.phase = DONE
+            return True
         if r.phase == WAITING:
             self.waiting.remove(r)
             if r in self._arrivals:
@@ -212,6 +235,10 @@ class Engine:
     def _start_step(self) -> None:
         s = self._step
         self._arrivals.clear()  # (the engine core took them in: the scheduler sees them now)
+        pipelined = self._pipelined
+        self._pipelined = False
+        if self._held:
+            self._release(s)
         holding = self._loads.holding
         if holding:
             self._loads.ended()
@@ -228,10 +255,20 @@ class Engine:
                 return
             self._chunks = chunks
             dt = self.latency.step_seconds(starts, tokens, pairs, dec.n, dec.ctx)
+            if pipelined:
+                self._scheduled()
         elif dec.n:
             self._chunks = []
+            if pipelined:
+                self._scheduled()
             bounds = dec.bounds
-            if bounds and self._spans and bounds[0] > s and (self.sink is None or not self.sink.events):
+            if (
+                bounds
+                and self._spans
+                and bounds[0] > s
+                and (self.sink is None or not self.sink.events)
+                and not self._held
+            ):
                 self._start_span(s, bounds[0])
                 return
             dt = self.latency.step_seconds(0, 0, 0.0, dec.n, dec.ctx)
@@ -240,7 +277,33 @@ class Engine:
             self._take_stats()  # (vLLM steps once more to send out what left: an empty step's stats)
             return
         self.steps += 1
+        self._in_step = True
         self.kernel.schedule(dt, self._end_step)
+
+    def _release(self, s: int) -> None:
+        """Async scheduling: the requests submitted while step s - 2 (or before) ran reach the scheduler at
+        step s, vLLM having scheduled step s - 1 while s - 2 ran; all of them when nothing runs, as vLLM's
+        pipeline then holds an empty step and schedules the next one at once."""
+        held = self._held
+        if not (self.running or self._loads.holding):
+            keep: list[tuple[int, ReqState]] = []
+        else:
+            keep = [h for h in held if h[0] + 2 > s]
+            if len(keep) == len(held):
+                return
+        for flight, r in held:
+            if flight + 2 <= s or not keep:
+                self.waiting.append(r)
+        self._held = keep
+
+    def _scheduled(self) -> None:
+        """Async scheduling: vLLM scheduled this step while the one before ran, and sent the step's KV
+        events and stats at the end of that one (`update_from_output`): now, in the simulator's time. (A
+        step started from idle was scheduled as it started: its events and stats come at its end.)"""
+        sink = self.sink
+        if sink is not None and sink.dirty:
+            sink.flush(self.kernel.now())
+        self._take_stats()
 
     def _empty_step(self) -> None:
         """Nothing to run (vLLM still makes its stats)."""
@@ -263,15 +326,17 @@ class Engine:
         self.steps += last - s + 1
         self._span = (s, ends, dec.ctx, self.kernel.at(ends[-1], self._end_step))
         self._span_stats = last > s  # (the last step's end is a kernel event: `_end_step` takes its stats)
+        self._in_step = True
         self._step = last
         dec.ctx += n * (last - s)  # at the start of the last step (its end adds n)
 
-    def _cut_span(self) -> None:
+    def _cut_span(self, later: int = 0) -> None:
         """Something changed mid-span: end the span with the step in progress now (the first one not
-        ended before now; one ending exactly now has not run its end yet, as in the kernel's order)."""
+        ended before now; one ending exactly now has not run its end yet, as in the kernel's order), or
+        `later` steps after it (async scheduling: the next step is scheduled already)."""
         assert self._span is not None
         s, ends, ctx0, handle = self._span
-        i = bisect_left(ends, self.kernel.now())
+        i = bisect_left(ends, self.kernel.now()) + later
         left = len(ends) - 1 - i
         if left <= 0:
             return
@@ -291,6 +356,7 @@ class Engine:
     def _end_step(self) -> None:
         self._span = None
         self._span_stats = False
+        self._in_step = False
         s = self._step
         if self._aborts:
             self._leave(s)
@@ -315,9 +381,11 @@ class Engine:
             for callback, rec in done:
                 if callback is not None:
                     callback(rec, now)
-        if not (self.waiting or self.running or self._loads.holding):
+        if not (self.waiting or self.running or self._loads.holding or self._held):
             self._busy = False
-        elif self.kernel.peek() > now:
+            return
+        self._pipelined = self._async
+        if self.kernel.peek() > now:
             self._start_step()  # nothing else happens at `now`: the same as scheduling it
         else:
             self.kernel.schedule(0.0, self._start_step)

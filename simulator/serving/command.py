@@ -63,7 +63,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     e.add_argument("--block-size", type=_number(int, 1), default=16, help="tokens per KV block")
     e.add_argument("--max-num-batched-tokens", type=_number(int, 1), default=8192)
-    e.add_argument("--max-num-seqs", type=_number(int, 1), default=256)
+    e.add_argument("--max-num-seqs", type=_number(int, 1), default=1024)
+    e.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's engine core schedules a step while the one before runs (vLLM's default): a request "
+        "arriving mid-step joins a step later; --no-async-scheduling: the synchronous core",
+    )
     e.add_argument(
         "--cpu-blocks", type=_number(int, 0), default=0, help="CPU offload tier in blocks (0: none)"
     )
@@ -136,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> EngineServerConfig:
             max_num_seqs=args.max_num_seqs,
             cpu_blocks=args.cpu_blocks,
             model=args.model,
+            async_scheduling=args.async_scheduling,
         )
     except ValueError as err:
         raise ValueError(f"engine flags: {err}") from None

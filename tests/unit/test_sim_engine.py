@@ -52,6 +52,7 @@ class Run:
 def make(**cfg: object) -> Run:
     k = Kernel()
     latency = cfg.pop("latency", LAT)
+    cfg.setdefault("async_scheduling", False)  # vLLM's synchronous engine core; async: test_sim_async.py
     run = Run(None, k)  # type: ignore[arg-type]
     run.engine = Engine(
         k,

@@ -69,6 +69,7 @@ configs = st.builds(
     max_num_batched_tokens=st.sampled_from([16, 64, 8192]),
     max_num_seqs=st.sampled_from([1, 2, 4, 16]),
     cpu_blocks=st.sampled_from([0, 8]),
+    async_scheduling=st.booleans(),
 )
 
 

@@ -25,7 +25,7 @@ def engine(spans: bool = True, **cfg: int) -> tuple[Engine, Kernel, list[tuple[s
     calls: list[tuple[str, str]] = []
     e = Engine(
         k,
-        EngineConfig(**cfg),  # type: ignore[arg-type]
+        EngineConfig(**{"async_scheduling": False, **cfg}),  # type: ignore[arg-type]  # sync: test_sim_async.py
         LAT,
         on_first_token=lambda rec, t: calls.append(("first", rec.request_id)),
         on_finish=lambda rec, t: calls.append(("finish", rec.request_id)),

@@ -89,6 +89,7 @@ def run_ours(wl: dict[str, Any]) -> dict[str, Any]:
             block_size=cfg["block_size"],
             max_num_batched_tokens=cfg["max_batched"],
             max_num_seqs=cfg["max_seqs"],
+            async_scheduling=False,  # the driver steps vLLM's Scheduler as its synchronous engine core does
         ),
         PROFILES["llama-3.1-8b-h100"],
         on_first_token=lambda rec, t: first.__setitem__(rec.request_id, step),

@@ -1,0 +1,136 @@
+"""Async scheduling (vLLM's default): the engine core schedules step k+1 while step k runs, so a request
+that arrives during step k is scheduled at the end of step k+1, and step k+1's KV events and stats go out
+at the end of step k. The same engine with `async_scheduling=False` is vLLM's synchronous core."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from simulator.engine import Engine, EngineConfig
+from simulator.kernel import Kernel
+from simulator.latency import PROFILES
+from simulator.records import RequestRecord, SimRequest
+
+LAT = PROFILES["llama-3.1-8b-h100"]
+
+
+class Run:
+    def __init__(self, asynchronous: bool, spans: bool = True, **cfg: int) -> None:
+        self.kernel = Kernel()
+        self.batches: list[tuple[float, list[str]]] = []
+        self.engine = Engine(
+            self.kernel,
+            EngineConfig(async_scheduling=asynchronous, **cfg),  # type: ignore[arg-type]
+            LAT,
+            on_events=self._events,
+            spans=spans,
+        )
+
+    def _events(self, seq: int, payload: bytes, at: float) -> None:
+        _, events, _ = msgspec.msgpack.decode(payload)
+        self.batches.append((at, [ev[0] if isinstance(ev, list) else ev["type"] for ev in events]))
+
+    def submit(self, name: str, n: int, max_tokens: int, start: int = 0) -> RequestRecord:
+        return self.engine.submit(SimRequest(name, list(range(start, start + n)), max_tokens))
+
+
+def stepped(
+    asynchronous: bool, arrive: float, max_tokens: int = 40, spans: bool = False
+) -> tuple[Run, RequestRecord, list[float]]:
+    """One long decode (`a`), and `b` arriving at `arrive`: with every step's end."""
+    run = Run(asynchronous, spans=spans, num_gpu_blocks=200, block_size=16)
+    run.submit("a", 64, max_tokens)
+    b: list[RequestRecord] = []
+    run.kernel.at(arrive, lambda: b.append(run.submit("b", 32, 2, start=5000)))
+    ends: list[float] = []
+    last = 0  # (-1 while the first step is scheduled: none has ended)
+    while run.kernel.step():
+        if run.engine.steps_ended() != last:
+            last = 0  # (-1 while the first step is scheduled: none has ended)
+            ends.append(run.kernel.now())
+    return run, b[0], ends
+
+
+def test_a_request_arriving_mid_step_is_scheduled_one_step_later_than_by_a_synchronous_core() -> None:
+    _, b_sync, ends_sync = stepped(False, 0.05)
+    asyn, b_async, ends_async = stepped(True, 0.05)
+    assert ends_sync[:3] == ends_async[:3]  # the same steps until b joins
+    k = next(i for i, t in enumerate(ends_sync) if t > 0.05)  # the step in progress when b arrived
+    assert b_sync.scheduled_s == ends_sync[k]  # at the end of that step
+    assert b_async.scheduled_s == ends_async[k + 1]  # at the end of the next one: it was scheduled already
+    assert b_async.first_token_s is not None and b_sync.first_token_s is not None
+    assert b_async.first_token_s > b_sync.first_token_s
+    assert asyn.engine.idle and asyn.engine.pool.num_used == 0
+
+
+def test_an_arrival_at_an_idle_engine_is_scheduled_at_once_either_way() -> None:
+    a, b = Run(False, num_gpu_blocks=200), Run(True, num_gpu_blocks=200)
+    got = []
+    for run in (a, b):
+        recs: list[RequestRecord] = []
+        run.kernel.at(0.25, lambda run=run, recs=recs: recs.append(run.submit("x", 40, 3)))  # type: ignore[misc]
+        run.kernel.run()
+        got.append((recs[0].scheduled_s, recs[0].first_token_s, recs[0].finished_s))
+    assert got[0] == got[1] and got[0][0] == 0.25
+
+
+def test_when_nothing_else_runs_the_held_request_is_scheduled_at_the_next_step_end() -> None:
+    """`a` finishes with the step in progress (its only token): vLLM's pipeline holds an empty step after
+    it, so `b`, which arrived during it, is scheduled at its end, as by a synchronous core; when `a` has
+    a step more to run, `b` waits for that step's end."""
+    _, b_sync, ends = stepped(False, 1e-6, max_tokens=1)
+    _, b_async, _ = stepped(True, 1e-6, max_tokens=1)
+    assert b_sync.scheduled_s == b_async.scheduled_s == ends[0]
+    _, b_two, ends_two = stepped(True, 1e-6, max_tokens=2)
+    assert b_two.scheduled_s == ends_two[1]
+
+
+def test_a_pipelined_steps_events_and_stats_go_out_when_it_is_scheduled_not_when_it_ends() -> None:
+    runs = {}
+    for asynchronous in (False, True):
+        run = Run(asynchronous, spans=False, num_gpu_blocks=200, max_num_batched_tokens=64, max_num_seqs=4)
+        run.submit("a", 256, 2)  # 4 chunks of 64 tokens, 4 blocks each
+        seen = []
+        while run.kernel.step():
+            m = run.engine.metrics()
+            seen.append((run.kernel.now(), m.running, m.kv_usage))
+        runs[asynchronous] = (run, seen)
+    (sync, seen_sync), (asyn, seen_async) = runs[False], runs[True]
+    stored_sync = [at for at, kinds in sync.batches if "BlockStored" in kinds]
+    stored_async = [at for at, kinds in asyn.batches if "BlockStored" in kinds]
+    assert len(stored_sync) == len(stored_async) == 4  # each chunk's 4 blocks
+    # the first step ran from idle (scheduled as it started): its blocks at its end, as synchronously;
+    # the next ones were scheduled while the one before ran: their blocks go out one step earlier
+    assert stored_async[0] == stored_sync[0]
+    assert stored_async[1:] == stored_sync[:-1]
+    # the stats: what a synchronous core shows at a step's end, one step earlier (the step scheduled then
+    # has its blocks); the last decode's new block shows too, which the synchronous stats never do (its
+    # request has finished and freed it by the end of the step that allocates it)
+    usage_sync = [round(u * 199) for _, _, u in seen_sync]
+    usage_async = [round(u * 199) for _, _, u in seen_async]
+    assert usage_sync == [0, 4, 8, 12, 16, 0]
+    assert usage_async == [0, 8, 12, 16, 17, 0]
+
+
+def test_aborting_a_request_not_yet_scheduled_drops_it_and_the_engine_goes_idle() -> None:
+    run = Run(True, spans=True, num_gpu_blocks=200)
+    a = run.submit("a", 64, 30)
+    held: list[RequestRecord] = []
+    run.kernel.at(0.03, lambda: held.append(run.submit("b", 32, 5, start=7000)))
+    run.kernel.at(0.031, lambda: run.engine.abort(held[0]))
+    run.kernel.run()
+    assert held[0].aborted_s == 0.031 and held[0].scheduled_s is None and held[0].finished_s is None
+    assert a.finished_s is not None
+    assert run.engine.idle and run.engine.pool.num_used == 0 and not run.engine.waiting
+
+
+@pytest.mark.parametrize("arrive", [0.3, 0.5, 0.5123])
+def test_a_mid_span_arrival_is_scheduled_as_step_by_step(arrive: float) -> None:
+    """A decode span is cut one step after the step in progress (the next one is scheduled already)."""
+    _, b_step, ends = stepped(True, arrive, max_tokens=200)
+    span, b_span, _ = stepped(True, arrive, max_tokens=200, spans=True)
+    k = next(i for i, t in enumerate(ends) if t > arrive)
+    assert b_span.scheduled_s == b_step.scheduled_s == ends[k + 1]
+    assert b_span.finished_s == b_step.finished_s
+    assert span.engine.kernel.events_run < 100  # (spans: far fewer kernel events than 200 steps)
