@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from epp.kvindex.chat_inputs import request_template
+from epp.kvindex.chat_inputs import lax_bool, request_template
 from epp.responses_api import InvalidResponsesBody, responses_chat, template_kwargs
 from epp.types import ApiKind, ChatOptions, InferenceRequest, PromptTokens
 
@@ -164,60 +164,80 @@ def parse_body(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     return doc
 
 
-_CHAT_FIELDS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "tools",
-    "documents",
-    "chat_template_kwargs",
-    "reasoning_effort",
-)
+_DEFAULT_CHAT = ChatOptions()
+_EMBEDDINGS_CHAT = ChatOptions(add_generation_prompt=False)
 
 
-def _chat_options(body: Mapping[str, Any]) -> ChatOptions | None:
+def _flag(body: Mapping[str, Any], name: str, default: bool, *, nullable: bool = False) -> bool:
+    """A boolean field as vLLM's pydantic request models read it (`lax_bool`: true/false, 0/1, "true",
+    "no", "on", ...); absent: `default`. null is `default` for a field vLLM declares `bool | None`
+    (`nullable`: `stream`), else a 400, as pydantic gives for a plain `bool` field."""
+    value = body.get(name)
+    if value is None and (nullable or name not in body):
+        return default
+    try:
+        return lax_bool(value)
+    except ValueError:
+        raise bad_request(
+            f"'{name}' must be a boolean (true or false; vLLM also reads 0/1 and strings such as "
+            '"true", "no", "on")'
+        ) from None
+
+
+def _chat_options(body: Mapping[str, Any], kind: ApiKind) -> ChatOptions | None:
     """The fields of a chat request that change the rendered prompt, checked as vLLM checks them; None
-    when none is set. `reasoning_effort` reaches the template as vLLM's `build_chat_params` passes it: as
-    `reasoning_effort`, and as `enable_thinking` (effort != "none") unless `chat_template_kwargs` sets it.
-    An empty `tools` or `documents` list is kept: vLLM hands the template `[]`, not nothing."""
-    if not any(body.get(k) is not None for k in _CHAT_FIELDS):
-        return None
-    flags = {}
-    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = body.get(name, default)
-        if value is None:
-            value = default
-        if not isinstance(value, bool):
-            raise bad_request(f"'{name}' must be a boolean")
-        flags[name] = value
-    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+    when none is set (a chat completion's defaults). `reasoning_effort` reaches the template as vLLM's
+    `build_chat_params` passes it: as `reasoning_effort`, and as `enable_thinking` (effort != "none")
+    unless `chat_template_kwargs` sets it. An empty `tools` or `documents` list is kept: vLLM hands the
+    template `[]`, not nothing.
+
+    An embeddings chat is vLLM's `EmbeddingChatRequest` (`ChatRequestMixin`,
+    vllm/entrypoints/pooling/base/protocol.py): `add_generation_prompt` defaults to false there, and it has
+    no `tools`, `documents` or `reasoning_effort` (pydantic ignores them: so does the EPP).
+
+    vLLM refuses both `continue_final_message` and `add_generation_prompt` when the values sent are both
+    truthy as Python reads them before validation (`check_generation_prompt`: "false", a non-empty string,
+    is truthy there), and transformers refuses them both true after it (the chat completion's default
+    `add_generation_prompt` is true): either is a 400."""
+    embeddings = kind is ApiKind.EMBEDDINGS
+    generation = _flag(body, "add_generation_prompt", not embeddings)
+    continued = _flag(body, "continue_final_message", False)
+    if (generation and continued) or (
+        body.get("continue_final_message") and body.get("add_generation_prompt")
+    ):
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object")
+    if embeddings:
+        return ChatOptions(
+            add_generation_prompt=generation,
+            continue_final_message=continued,
+            chat_template_kwargs=template_kwargs(kwargs, None),
+        )
     lists = {}
     for name in ("tools", "documents"):
         value = body.get(name)
         if value is not None and (not isinstance(value, list) or not all(isinstance(x, dict) for x in value)):
             raise bad_request(f"'{name}' must be a list of objects")
         lists[name] = value
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object")
     effort = body.get("reasoning_effort")
     if effort is not None and not isinstance(effort, str):
         raise bad_request("'reasoning_effort' must be a string")
-    return ChatOptions(
-        add_generation_prompt=flags["add_generation_prompt"],
-        continue_final_message=flags["continue_final_message"],
+    options = ChatOptions(
+        add_generation_prompt=generation,
+        continue_final_message=continued,
         tools=lists["tools"],
         documents=lists["documents"],
         chat_template_kwargs=template_kwargs(kwargs, effort),
     )
+    return None if options == _DEFAULT_CHAT else options
 
 
 def _add_special_tokens(body: Mapping[str, Any]) -> bool | None:
-    """The request's `add_special_tokens` (vLLM honours it: `build_tok_params`); None: the API's default."""
-    value = body.get("add_special_tokens")
-    if value is not None and not isinstance(value, bool):
-        raise bad_request("'add_special_tokens' must be a boolean")
-    return value
+    """The request's `add_special_tokens` (vLLM honours it: `build_tok_params`; a plain `bool` field, so
+    null is a 400); None when not sent: the API's default."""
+    return _flag(body, "add_special_tokens", False) if "add_special_tokens" in body else None
 
 
 _STORED_HISTORY = PromptTokens(None, "stored_history")
@@ -314,30 +334,36 @@ def build_request(
     known: PromptTokens | None = None
     if kind is ApiKind.RESPONSES:
         messages, tokens, chat, known = _responses(body)
-    elif "messages" in body or kind is ApiKind.CHAT_COMPLETIONS:
+    elif kind is ApiKind.COMPLETIONS:  # a stray `messages` is ignored, as vLLM's CompletionRequest ignores it
+        if body.get("prompt") is not None and body["prompt"] != "":
+            prompt, tokens = _check_prompt(body["prompt"])
+            batch = _batch_rest(body["prompt"], tokens)
+        elif body.get("prompt_embeds") is not None:
+            known = _prompt_embeds(body["prompt_embeds"])
+        else:  # vLLM's `validate_prompt_and_prompt_embeds`
+            raise bad_request("a completion needs a non-empty 'prompt' (or 'prompt_embeds')")
+    elif "messages" in body or kind is ApiKind.CHAT_COMPLETIONS:  # a chat's stray `prompt` is ignored too
         messages, tokens = _check_messages(body.get("messages"))
-        chat = _chat_options(body)
+        chat = _chat_options(body, kind)
     elif "prompt" in body:
         prompt, tokens = _check_prompt(body["prompt"])
         batch = _batch_rest(body["prompt"], tokens)
-    elif kind is ApiKind.COMPLETIONS and body.get("prompt_embeds") is not None:
-        known = _prompt_embeds(body["prompt_embeds"])
     elif kind is ApiKind.EMBEDDINGS and "input" in body:
         inp = body["input"]
         if isinstance(inp, list) and inp and all(isinstance(m, dict) for m in inp):
             messages, tokens = _check_messages(inp, "input")
+            chat = _EMBEDDINGS_CHAT
         else:
             prompt, tokens = _check_prompt(inp, "input")
             batch = _batch_rest(inp, tokens)
     else:
-        raise bad_request("request needs 'prompt' or 'messages' (or 'prompt_embeds' for a completion)")
+        raise bad_request("request needs 'prompt' or 'messages' (or 'input' for embeddings)")
     if messages is not None and _own_template(body, kind) and known is None:
         known = _OWN_TEMPLATE
     # a Responses request has no such field (vLLM ignores one sent): its chat is encoded with special tokens
     add_special_tokens = True if kind is ApiKind.RESPONSES else _add_special_tokens(body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean")
+    # `stream` is `bool | None` in vLLM's models (null: not streamed); embeddings have none (ignored)
+    stream = kind is not ApiKind.EMBEDDINGS and _flag(body, "stream", False, nullable=True)
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise bad_request("'cache_salt' must be a non-empty string")

@@ -43,6 +43,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from epp.kvindex.chat_inputs import lax_bool
+
 _CONTINUED = ("in_progress", "incomplete")
 
 
@@ -243,8 +245,9 @@ def _function_tool(tool: Mapping[str, Any], name: Any, where: str) -> dict[str, 
     function: dict[str, Any] = {"name": name, "description": description, "parameters": parameters}
     for flag in ("strict", "defer_loading"):
         value = tool.get(flag)
-        if not isinstance(value, bool | None):
-            raise InvalidResponsesBody(f"'{where}.{flag}' must be a boolean")
-        if value is not None:
-            function[flag] = value
+        if value is not None:  # pydantic's lax booleans, as for every boolean field (`lax_bool`)
+            try:
+                function[flag] = lax_bool(value)
+            except ValueError:
+                raise InvalidResponsesBody(f"'{where}.{flag}' must be a boolean") from None
     return {"type": "function", "function": function}

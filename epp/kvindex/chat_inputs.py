@@ -245,14 +245,27 @@ def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --- tools and documents (vLLM's request models) ---
 
 
-def _lax_bool(value: Any, field: str) -> bool | None:
-    if value is None or isinstance(value, bool):
+def lax_bool(value: Any) -> bool:
+    """A boolean field's value as vLLM's pydantic request models read it (lax mode): true/false, the
+    numbers 0 and 1 (0.0 and 1.0 too), and the strings 1/0, true/false, t/f, yes/no, y/n, on/off in any
+    case (no surrounding spaces). ValueError for anything else, null included (a field that may be null
+    is checked for it by the caller)."""
+    if isinstance(value, bool):
         return value
     if isinstance(value, int | float) and value in (0, 1):
         return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
         return value.lower() in _TRUE
-    raise ChatTemplateError(f"{field} must be a boolean")
+    raise ValueError("not a boolean")
+
+
+def _lax_bool(value: Any, field: str) -> bool | None:
+    if value is None:
+        return None
+    try:
+        return lax_bool(value)
+    except ValueError:
+        raise ChatTemplateError(f"{field} must be a boolean") from None
 
 
 def _optional(function: Mapping[str, Any], key: str, kind: type, field: str) -> Any:

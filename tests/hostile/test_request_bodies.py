@@ -144,6 +144,19 @@ def _token(v: Any) -> bool:
     return type(v) is int and 0 <= v < 2**31
 
 
+def _lax_bool(v: Any) -> bool | None:
+    """What vLLM's pydantic models read a plain `bool` field's value as (lax mode), None: a 400. Written
+    out here rather than imported: 1.0 and 0.0 count, 2 and 0.5 do not, nor does null."""
+    if isinstance(v, bool):
+        return v
+    if type(v) in (int, float) and v in (0, 1):
+        return v == 1
+    if isinstance(v, str):
+        return {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False, "y": True,
+                "n": False, "t": True, "f": False, "on": True, "off": False}.get(v.lower())  # fmt: skip
+    return None
+
+
 def _prompt_ok(v: Any) -> bool:
     if isinstance(v, str):
         return True
@@ -170,7 +183,8 @@ def _message_ok(m: Any) -> bool:
 # (base, path to the field, is the value valid?, what the error must name)
 FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[Any, ...], Callable[[Any], bool], str]] = {
     "model": (COMPL, COMPL_BODY, ("model",), lambda v: isinstance(v, str) and v != "", "'model'"),
-    "prompt": (COMPL, COMPL_BODY, ("prompt",), _prompt_ok, "'prompt'"),
+    # (vLLM's CompletionRequest refuses an empty prompt: "Either prompt or prompt_embeds must be provided")
+    "prompt": (COMPL, COMPL_BODY, ("prompt",), lambda v: _prompt_ok(v) and v != "", "'prompt'"),
     "input": (
         EMBED,
         {"model": "m", "input": "x"},
@@ -202,7 +216,8 @@ FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[Any, ...], Callabl
         lambda v: v is None or isinstance(v, str | list),
         "'messages[0].content'",
     ),
-    "stream": (COMPL, COMPL_BODY, ("stream",), lambda v: isinstance(v, bool), "'stream'"),
+    # (`bool | None` in vLLM's models: null is not streamed)
+    "stream": (COMPL, COMPL_BODY, ("stream",), lambda v: v is None or _lax_bool(v) is not None, "'stream'"),
     "cache_salt": (
         COMPL,
         COMPL_BODY,
@@ -246,7 +261,7 @@ FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[Any, ...], Callabl
         CHAT,
         CHAT_BODY,
         ("add_generation_prompt",),
-        lambda v: v is None or isinstance(v, bool),
+        lambda v: _lax_bool(v) is not None,
         "'add_generation_prompt'",
     ),
     # (true as well: with add_generation_prompt's default, true, the pair is refused, naming both)
@@ -254,7 +269,7 @@ FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any], tuple[Any, ...], Callabl
         CHAT,
         CHAT_BODY,
         ("continue_final_message",),
-        lambda v: v is None or v is False,
+        lambda v: _lax_bool(v) is False,
         "'continue_final_message'",
     ),
     "content_part": (CHAT, CHAT_BODY, ("messages", 0, "content"), lambda v: True, ""),

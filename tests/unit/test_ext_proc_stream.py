@@ -230,8 +230,8 @@ def test_tenant_salt_replaces_the_clients_and_the_length_follows_in_duplex_mode(
 
 def test_tenant_salt_in_buffered_mode_rewrites_the_body_response() -> None:
     s = RequestStream(director(tenancy=SALTER), 1 << 30)
-    s.on_message(tenant_headers(BUFFERED))
-    [resp] = s.on_message(body(BODY, True))
+    s.on_message(tenant_headers(BUFFERED))  # a completion: its prompt is `prompt` (vLLM ignores `messages`)
+    [resp] = s.on_message(body(json.dumps({"model": "m", "prompt": "hi"}).encode(), True))
     new = resp.request_body.response.body_mutation.body
     assert json.loads(new)["cache_salt"] == SALTER.salt("acme")
     assert set_header(resp.request_body.response, "content-length") == str(len(new))

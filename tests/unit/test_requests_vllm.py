@@ -261,11 +261,20 @@ def test_add_special_tokens_is_honoured(service: KvIndexService) -> None:
     assert ids(service, COMPL, {"model": "m", "prompt": CHAT_TEXT}) == [0, 0, *SUMMARISE]
     chat = {"model": "m", "messages": [{"role": "user", "content": "Summarise this."}]}
     assert ids(service, CHAT, chat | {"add_special_tokens": True}) == [0, 0, *SUMMARISE]
-    assert ids(service, CHAT, chat | {"add_special_tokens": None}) == [0, *SUMMARISE]
+    assert ids(service, CHAT, chat | {"add_special_tokens": "true"}) == [
+        0,
+        0,
+        *SUMMARISE,
+    ]  # pydantic's lax bool
+    assert ids(service, COMPL, {"model": "m", "prompt": CHAT_TEXT, "add_special_tokens": 0}) == [
+        0,
+        *SUMMARISE,
+    ]
 
 
-@pytest.mark.parametrize("value", ["false", 0, 1, [], {}])
+@pytest.mark.parametrize("value", [None, "maybe", 2, -1, 0.5, "", " true", [], {}])
 def test_add_special_tokens_must_be_a_boolean(value: Any) -> None:
+    """vLLM's `add_special_tokens: bool` (not optional): null is a 400 too."""
     for headers, body in (
         (COMPL, {"model": "m", "prompt": "x"}),
         (CHAT, {"model": "m", "messages": [{"role": "user"}]}),
@@ -319,5 +328,29 @@ def test_a_completion_given_as_prompt_embeds_is_accepted_and_unkeyed(service: Kv
     for bad in ("", [], [1], ["ok", ""], {"x": 1}):
         with pytest.raises(RequestError, match="'prompt_embeds' must be a non-empty base64 string"):
             build_request(COMPL, {"model": "m", "prompt_embeds": bad}, {})
-    with pytest.raises(RequestError, match="needs 'prompt' or 'messages'"):  # nothing to run at all
+    with pytest.raises(RequestError, match="needs a non-empty 'prompt'"):  # nothing to run at all
         build_request(COMPL, {"model": "m", "prompt_embeds": None}, {})
+
+
+def test_an_embeddings_chat_is_rendered_without_a_generation_prompt(service: KvIndexService) -> None:
+    """vLLM's EmbeddingChatRequest defaults add_generation_prompt to false (a chat completion's is true)."""
+    emb = {":path": "/v1/embeddings"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Summarise this."}]}
+    assert ids(service, emb, chat) == [0, *SUMMARISE[:-10]]  # no "<|start_header_id|>assistant..."
+    assert ids(service, emb, chat) == ids(service, CHAT, chat | {"add_generation_prompt": False})
+    assert ids(service, emb, chat | {"add_generation_prompt": True}) == ids(service, CHAT, chat)
+    assert ids(service, emb, chat | {"tools": [{"type": "function", "function": {"name": "f"}}]}) == ids(
+        service, emb, chat
+    )
+
+
+def test_responses_tool_flags_are_pydantic_lax_booleans() -> None:
+    tool = {"type": "function", "name": "f", "strict": "true", "defer_loading": 0}
+    r = build_request(RESP, {"model": "m", "input": "hi", "tools": [tool]}, {})
+    assert r.chat is not None and r.chat.tools is not None
+    assert (
+        r.chat.tools[0]["function"]["strict"] is True
+        and r.chat.tools[0]["function"]["defer_loading"] is False
+    )
+    with pytest.raises(RequestError, match=r"'tools\[0\].strict' must be a boolean"):
+        build_request(RESP, {"model": "m", "input": "hi", "tools": [tool | {"strict": "maybe"}]}, {})
