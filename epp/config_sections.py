@@ -158,13 +158,14 @@ class IndexEntry(_Struct):
 class TokenizerEntry(_Struct):
     """A `tokenizers` value in its object form: the directory and the model's vLLM server-side chat settings
     (`--default-chat-template-kwargs`, `--chat-template`, `--chat-template-content-format`,
-    `--tokenizer-mode`)."""
+    `--tokenizer-mode`, `--exclude-tools-when-tool-choice-none`)."""
 
     path: str
     default_chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     tokenizer_mode: str = "auto"
+    exclude_tools_when_tool_choice_none: bool = False
 
 
 class AdmissionEntry(_Struct):
@@ -244,10 +245,10 @@ def tokenizers_config(
     source: str, entries: Mapping[str, str | TokenizerEntry]
 ) -> dict[str, str | TokenizerSpec]:
     """`{model: directory}`, or `{model: {path, defaultChatTemplateKwargs, chatTemplate,
-    chatTemplateContentFormat, tokenizerMode}}`: an entry without server-side settings is its directory, as
-    before. The checks that need no file: the template file is read when the tokenizers load
-    (`TokenizerRegistry`), beside the directory, which may exist only where the EPP runs
-    (`check-config --skip-tokenizers`)."""
+    chatTemplateContentFormat, tokenizerMode, excludeToolsWhenToolChoiceNone}}`: an entry without
+    server-side settings is its directory, as before. The checks that need no file: the template file is
+    read when the tokenizers load (`TokenizerRegistry`), beside the directory, which may exist only where
+    the EPP runs (`check-config --skip-tokenizers`)."""
     out: dict[str, str | TokenizerSpec] = {}
     for model, entry in entries.items():
         where = f"tokenizers {model!r}"
@@ -291,7 +292,11 @@ def tokenizers_config(
             except ChatTemplateError as e:
                 raise ConfigError(source, where, "chatTemplate", f"not a valid chat template: {e}") from None
         chat = ServerChatSettings(
-            dict(kwargs), template, entry.chat_template_content_format, entry.tokenizer_mode
+            dict(kwargs),
+            template,
+            entry.chat_template_content_format,
+            entry.tokenizer_mode,
+            entry.exclude_tools_when_tool_choice_none,
         )
         out[model] = entry.path if chat.is_default else TokenizerSpec(entry.path, chat)
     return out

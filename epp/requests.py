@@ -221,6 +221,11 @@ def _chat_options(body: Mapping[str, Any], kind: ApiKind) -> ChatOptions | None:
         if value is not None and (not isinstance(value, list) or not all(isinstance(x, dict) for x in value)):
             raise bad_request(f"'{name}' must be a list of objects")
         lists[name] = value
+    # vLLM's `check_tool_usage`: tool_choice defaults to "auto" when tools are sent, else "none"; "required"
+    # with an empty tools list is "none" without tools
+    choice = body["tool_choice"] if "tool_choice" in body else ("auto" if lists["tools"] else "none")
+    if choice == "required" and lists["tools"] == []:
+        choice, lists["tools"] = "none", None
     effort = body.get("reasoning_effort")
     if effort is not None and not isinstance(effort, str):
         raise bad_request("'reasoning_effort' must be a string")
@@ -230,6 +235,7 @@ def _chat_options(body: Mapping[str, Any], kind: ApiKind) -> ChatOptions | None:
         tools=lists["tools"],
         documents=lists["documents"],
         chat_template_kwargs=template_kwargs(kwargs, effort),
+        tool_choice_none=lists["tools"] is not None and choice == "none",
     )
     return None if options == _DEFAULT_CHAT else options
 
@@ -278,6 +284,7 @@ def _responses(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, Chat
         continue_final_message=chat.continue_final_message,
         tools=chat.tools,
         chat_template_kwargs=chat.chat_template_kwargs,
+        tool_choice_none=chat.tools is not None and chat.tool_choice_none,
     )
     return messages, tokens, options, _STORED_HISTORY if chat.stored_history else None
 

@@ -23,7 +23,9 @@ same messages, tools and template flags:
 - `tools`: function tools (and a namespace's function tools, named `namespace__name`) become chat tools
   `{"type": "function", "function": {"name", "description", "parameters"[, "strict"][, "defer_loading"]}}`
   (as vLLM's `FunctionDefinition` dumps them: description and parameters null when absent, the flags
-  only when set); other tool types are not rendered; no function tool at all is an empty list.
+  only when set); other tool types are not rendered; no function tool at all is an empty list. With
+  `tool_choice: "none"` and a server run with `--exclude-tools-when-tool-choice-none` (the model's
+  `excludeToolsWhenToolChoiceNone`), no tools reach the template (`construct_tool_dicts`).
 - A final message or reasoning item whose status is "in_progress" or "incomplete" is continued
   (`continue_final_message`, no generation prompt).
 - `reasoning.effort` is the template's `reasoning_effort`, and sets `enable_thinking` (effort != "none")
@@ -59,6 +61,7 @@ class ResponsesChat:
     continue_final_message: bool
     chat_template_kwargs: dict[str, Any] | None
     stored_history: bool  # the prompt starts with a conversation vLLM stored (`previous_response_id`)
+    tool_choice_none: bool = False  # `tool_choice: "none"` (the default is "auto")
 
 
 def responses_chat(body: Mapping[str, Any]) -> ResponsesChat:
@@ -85,6 +88,7 @@ def responses_chat(body: Mapping[str, Any]) -> ResponsesChat:
         continue_final_message=_continues(items),
         chat_template_kwargs=template_kwargs(kwargs, _effort(body.get("reasoning"))),
         stored_history=any(body.get(k) is not None for k in ("previous_response_id", "previous_response")),
+        tool_choice_none=body.get("tool_choice", "auto") == "none",
     )
 
 

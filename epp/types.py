@@ -198,6 +198,9 @@ class ChatOptions:
     tools: Sequence[Mapping[str, Any]] | None = None
     documents: Sequence[Mapping[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
+    # the request's tool_choice is "none" (vLLM's default when a chat completion has no tools): a server run
+    # with --exclude-tools-when-tool-choice-none renders it without its tools (`ServerChatSettings`)
+    tool_choice_none: bool = False
 
 
 @dataclass(frozen=True, slots=True)

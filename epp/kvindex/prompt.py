@@ -414,11 +414,13 @@ class PromptTokenizer:
         add = request.add_special_tokens
         if request.messages is not None:
             c = request.chat or _DEFAULT_CHAT
+            # vLLM's --exclude-tools-when-tool-choice-none: no tools for a tool_choice "none"
+            excluded = c.tool_choice_none and self.server.exclude_tools_when_tool_choice_none
             return self.encode_chat(
                 request.messages,
                 add_generation_prompt=c.add_generation_prompt,
                 continue_final_message=c.continue_final_message,
-                tools=c.tools,
+                tools=None if excluded else c.tools,
                 documents=c.documents,
                 chat_template_kwargs=c.chat_template_kwargs,
                 add_special_tokens=bool(add),

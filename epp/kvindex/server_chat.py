@@ -34,13 +34,17 @@ class ServerChatSettings:
     `BaseFrontendArgs`): `--default-chat-template-kwargs` (a JSON object, "merged with request-level
     chat_template_kwargs, with request values taking precedence"), `--chat-template` (a file path, else the
     template itself: `vllm/renderers/chat_utils/chat_template.py`, `load_chat_template`), and
-    `--chat-template-content-format` (`auto`, `string`, `openai`); and vLLM's engine flag `--tokenizer-mode`
-    (`vllm/config/model.py`, `TOKENIZER_MODES`), which decides whose tokenizer and renderer run."""
+    `--chat-template-content-format` (`auto`, `string`, `openai`), `--exclude-tools-when-tool-choice-none`
+    (off by default: a request's `tools` reach the template even with `tool_choice: "none"`; on, they do not:
+    `OnlineRenderer.render_chat` in `vllm/renderers/online_renderer.py`, `construct_tool_dicts` for the
+    Responses API); and vLLM's engine flag `--tokenizer-mode` (`vllm/config/model.py`, `TOKENIZER_MODES`),
+    which decides whose tokenizer and renderer run."""
 
     default_kwargs: Mapping[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # the config's value: a file path or the template itself
     content_format: str = "auto"
     tokenizer_mode: str = "auto"
+    exclude_tools_when_tool_choice_none: bool = False
 
     @property
     def is_default(self) -> bool:
@@ -50,6 +54,7 @@ class ServerChatSettings:
             and self.chat_template is None
             and self.content_format == "auto"
             and self.tokenizer_mode == "auto"
+            and not self.exclude_tools_when_tool_choice_none
         )
 
 

@@ -473,3 +473,85 @@ def test_the_tokenizer_flag_replaces_the_directory_and_keeps_the_settings(tmp_pa
     assert isinstance(m, TokenizerSpec) and m.path == "/new"
     assert m.chat.default_kwargs == {"enable_thinking": False}
     assert tokenizers["n"] == "/n-new" and tokenizers["o"] == "/o"
+
+
+# --- --exclude-tools-when-tool-choice-none ---
+
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "|tools={{ tools|tojson if tools is defined and tools is not none else '-' }}"
+)
+WITH_TOOLS = (
+    'Hi|tools=[{"type": "function", "function": {"name": "req", "description": null, "parameters": null}}]'
+)
+RESP_TOOL = {"type": "function", "name": "req", "description": None, "parameters": None}
+
+
+@pytest.fixture(scope="module")
+def excluding(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> KvIndexService:
+    directory = variant(tiny, tmp_path_factory.mktemp("excl"), "tools", TOOLS_TEMPLATE)
+    chat = ServerChatSettings(exclude_tools_when_tool_choice_none=True)
+    return service({"excluding": TokenizerSpec(str(directory), chat), "plain": directory})
+
+
+@pytest.mark.parametrize(
+    "fields, excluded",
+    [
+        ({"tool_choice": "none"}, True),
+        ({"tool_choice": "auto"}, False),
+        ({"tool_choice": None}, False),  # null is not "none"
+        ({}, False),  # with tools, vLLM's default tool_choice is "auto" (check_tool_usage)
+        ({"tool_choice": {"type": "function", "function": {"name": "req"}}}, False),
+    ],
+)
+def test_a_server_excluding_tools_renders_a_tool_choice_none_chat_without_them(
+    excluding: KvIndexService, fields: dict[str, Any], excluded: bool
+) -> None:
+    """vLLM's --exclude-tools-when-tool-choice-none (OnlineRenderer.render_chat): tool_dicts = None when
+    tool_choice is "none"; off (vLLM's default, `plain`), the tools reach the template whatever the choice."""
+    body = {"messages": USER, "tools": [REQUEST_TOOL], **fields}
+    with_tools = WITH_TOOLS
+    text = "Hi|tools=-" if excluded else with_tools
+    assert keys_of(excluding, CHAT, {"model": "excluding", **body}) == expected_keys(
+        excluding, "excluding", text
+    )
+    assert keys_of(excluding, CHAT, {"model": "plain", **body}) == expected_keys(
+        excluding, "plain", with_tools
+    )
+
+
+def test_a_server_excluding_tools_renders_a_tool_choice_none_responses_request_without_them(
+    excluding: KvIndexService,
+) -> None:
+    """The Responses API's tool_choice defaults to "auto"; "none" with the flag: construct_tool_dicts gives
+    None. (A Responses request is encoded with special tokens.)"""
+    body = {"input": "Hi", "tools": [RESP_TOOL]}
+    with_tools = WITH_TOOLS
+    for fields, text in (({}, with_tools), ({"tool_choice": "none"}, "Hi|tools=-")):
+        keys = keys_of(excluding, RESP, {"model": "excluding", **body, **fields})
+        assert keys == expected_keys(excluding, "excluding", text, special=True)
+    plain = keys_of(excluding, RESP, {"model": "plain", **body, "tool_choice": "none"})
+    assert plain == expected_keys(excluding, "plain", with_tools, special=True)
+
+
+def test_required_with_an_empty_tools_list_is_none_without_tools() -> None:
+    """vLLM's check_tool_usage turns tool_choice "required" with `tools: []` into "none", dropping them."""
+    r = build_request(CHAT, {"model": "m", "messages": USER, "tools": [], "tool_choice": "required"}, {})
+    assert r.chat is None  # no tools: nothing reaches the template, as for a chat without them
+    r = build_request(CHAT, {"model": "m", "messages": USER, "tools": [], "tool_choice": "auto"}, {})
+    assert r.chat == ChatOptions(tools=[])
+
+
+def test_exclude_tools_when_tool_choice_none_is_read_from_the_config() -> None:
+    cfg = parse_config(
+        HEAD + "tokenizers: {m: {path: /m, excludeToolsWhenToolChoiceNone: true}, n: {path: /n,"
+        " excludeToolsWhenToolChoiceNone: false}}\n",
+        "epp.yaml",
+    )
+    assert cfg.tokenizers == {
+        "m": TokenizerSpec("/m", ServerChatSettings(exclude_tools_when_tool_choice_none=True)),
+        "n": "/n",  # vLLM's default: nothing to mirror
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_config(HEAD + "tokenizers: {m: {path: /m, excludeToolsWhenToolChoiceNone: sometimes}}\n", "e")
+    assert err.value.field == "excludeToolsWhenToolChoiceNone"
