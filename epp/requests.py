@@ -12,6 +12,8 @@ is a 400, as vLLM's request model has it.
 
 from __future__ import annotations
 
+import math
+import re
 import uuid
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -289,6 +291,51 @@ def _responses(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int, Chat
     return messages, tokens, options, _STORED_HISTORY if chat.stored_history else None
 
 
+_INT64_MAX = 2**63 - 1
+_LAX_INT = re.compile(
+    r"[+-]?\d+(?:_\d+)*(?:\.0+)?"
+)  # pydantic's integer strings ("5", " 5 ", "5.0", "1_000")
+_SIDES = ("left", "right")
+_TRUNCATING = (ApiKind.COMPLETIONS, ApiKind.CHAT_COMPLETIONS, ApiKind.EMBEDDINGS)
+
+
+def _lax_int(value: Any) -> int | None:
+    """An integer field's value as vLLM's pydantic models read it (lax mode: true/false, integral floats,
+    integer strings), or None when it is not one."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _LAX_INT.fullmatch(value.strip()):
+        return int(value.strip().split(".")[0])
+    return None
+
+
+def _truncation(body: Mapping[str, Any], kind: ApiKind) -> tuple[int | None, str | None]:
+    """vLLM's `truncate_prompt_tokens` (an integer >= -1, or null) and `truncation_side` ("left", "right" or
+    null) of a completion, chat completion or embeddings request (`CompletionRequest`,
+    `ChatCompletionRequest`, `PoolingBasicRequestMixin`), checked as vLLM checks them. A Responses request
+    has neither; its `truncation` ("auto" or "disabled", vLLM's `ResponsesRequest`) is checked, and changes
+    nothing the EPP keys: vLLM's "auto" drops the oldest messages only from a conversation longer than the
+    model's context (`vllm/renderers/response_truncation.py`), which "disabled" refuses with a 400."""
+    if kind is ApiKind.RESPONSES:
+        if body.get("truncation") not in (None, "auto", "disabled"):
+            raise bad_request('\'truncation\' must be "auto" or "disabled"')
+        return None, None
+    if kind not in _TRUNCATING:
+        return None, None
+    value = body.get("truncate_prompt_tokens")
+    count = None if value is None else _lax_int(value)
+    if value is not None and (count is None or not -1 <= count <= _INT64_MAX):
+        raise bad_request(
+            "'truncate_prompt_tokens' must be an integer >= -1 (-1: the model's length less the output)"
+        )
+    side = body.get("truncation_side")
+    if side is not None and side not in _SIDES:
+        raise bad_request('\'truncation_side\' must be "left" or "right"')
+    return count, side
+
+
 def sglang_adapter(model: str, served_models: Collection[str]) -> str | None:
     """The LoRA adapter a `model` of the form `<base model>:<adapter>` names, as SGLang reads it, else None.
 
@@ -381,6 +428,7 @@ def build_request(
     max_tokens = body.get(limit)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
         raise bad_request(f"'{limit}' must be a non-negative integer")
+    truncate, side = _truncation(body, kind)
     return InferenceRequest(
         request_id=request_id,
         api_kind=kind,
@@ -399,4 +447,6 @@ def build_request(
         chat=chat,
         tokens=known,
         add_special_tokens=add_special_tokens,
+        truncate_prompt_tokens=truncate,
+        truncation_side=side,
     )

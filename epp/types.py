@@ -207,7 +207,8 @@ class ChatOptions:
 class PromptTokens:
     """A prompt's token ids computed ahead of scheduling (the server tokenizes long text and chat prompts in a
     worker thread, `epp/server/tokenizing.py`), or why they cannot be known (`unkeyed`: "no_tokenizer",
-    "too_long", "tokenizer_error", "multimodal", "harmony", ...: `epp_kv_unkeyed_requests_total`'s
+    "too_long", "tokenizer_error", "multimodal", "harmony", "prompt_truncation", ...:
+    `epp_kv_unkeyed_requests_total`'s
     reasons)."""
 
     ids: npt.NDArray[np.int32] | Sequence[int] | None
@@ -240,6 +241,19 @@ class InferenceRequest:
     # the request's `add_special_tokens` (vLLM's field; a Responses request's is always True, see
     # `epp/responses_api.py`); None: the API's default, True for a text prompt and False for chat messages
     add_special_tokens: bool | None = None
+    # vLLM's `truncate_prompt_tokens` (completions, chat completions, embeddings): keep this many of the
+    # prompt's tokens (-1: the model's length less the output tokens, unknown here); None: no truncation
+    truncate_prompt_tokens: int | None = None
+    # vLLM's `truncation_side`: "left" keeps the last tokens, "right" the first; None: the engine's default,
+    # "left" for a generating model (completions, chat) and "right" for a pooling one (embeddings)
+    truncation_side: str | None = None
+
+    @property
+    def kept_side(self) -> str:
+        """Which end of the prompt `truncate_prompt_tokens` keeps from: "left" keeps the end."""
+        if self.truncation_side is not None:
+            return self.truncation_side
+        return "right" if self.api_kind is ApiKind.EMBEDDINGS else "left"
 
     @property
     def sheddable(self) -> bool:

@@ -36,6 +36,10 @@ What "as the engine would" means here (vLLM 0.32 with a fast Hugging Face tokeni
   `mistral_common`'s tokenizer (`MISTRAL_TOKENIZER`): `--tokenizer-mode mistral`, or `auto` (vLLM's
   default) with Mistral's files in the directory (`tokenizer_files.mistral_files`), unless the server
   settings say `hf`; token-id prompts are keyed as given.
+- `truncate_prompt_tokens` (`TokenizeParams`, `vllm/renderers/params.py`): N >= 0 keeps what vLLM keeps
+  (`_truncate`: the tokenizer's own truncation of a text prompt, special tokens kept, then the cut to N ids,
+  from the request's `truncation_side` or the model's: "left" for completions and chats, "right" for
+  embeddings); -1 (the model's length, unknown here) is `PROMPT_TRUNCATION`.
 
 Speed: repeated long prefixes are not tokenized again. `prefix_cache.py` keeps the ids of text chunks
 cut at stable boundaries (which cuts are stable for which pipelines, checked at load time:
@@ -52,9 +56,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from epp.kvindex.chat_inputs import NotTextContent, template_tokenizes, uses_tools
@@ -78,6 +83,7 @@ from epp.types import ApiKind, ChatOptions, InferenceRequest
 __all__ = [
     "HARMONY",
     "MISTRAL_TOKENIZER",
+    "PROMPT_TRUNCATION",
     "MultimodalPrompt",
     "NotReproduced",
     "PromptTokenizer",
@@ -108,6 +114,22 @@ class MultimodalPrompt(TokenizerError):
 
 HARMONY = "harmony"  # a gpt-oss chat: vLLM renders it with Harmony, not the chat template
 MISTRAL_TOKENIZER = "mistral_tokenizer"  # vLLM tokenizes and renders with mistral_common, not transformers
+# a `truncate_prompt_tokens` the EPP cannot apply as vLLM does: -1 (the model's length, unknown here), or a
+# text prompt encoded with special tokens that are not a fixed prefix/suffix
+PROMPT_TRUNCATION = "prompt_truncation"
+
+
+_Ids = TypeVar("_Ids", list[int], TokenIds, npt.NDArray[Any])
+
+
+def truncated(ids: _Ids, count: int, side: str) -> _Ids:
+    """vLLM's `TokenizeParams._token_truncation`: the last `count` ids ("left" truncation drops the first
+    ones) or the first `count` ("right"); all of them when there are no more than `count`."""
+    if count >= len(ids):
+        return ids
+    if count == 0:
+        return ids[:0]
+    return ids[-count:] if side == "left" else ids[:count]
 
 
 class NotReproduced(TokenizerError):
@@ -401,7 +423,32 @@ class PromptTokenizer:
             return MISTRAL_TOKENIZER
         if self.harmony and request.messages is not None and request.api_kind is not ApiKind.EMBEDDINGS:
             return HARMONY
+        if request.truncate_prompt_tokens == -1 and (
+            request.messages is not None or request.prompt is not None
+        ):
+            return PROMPT_TRUNCATION
         return None
+
+    def _truncate(self, ids: TokenIds, request: InferenceRequest, *, special: bool) -> TokenIds:
+        """The ids vLLM keeps of a text or chat prompt encoded as `ids` (`special`: with special tokens) when
+        the request sets `truncate_prompt_tokens` (>= 0). vLLM encodes with the tokenizer's truncation
+        (`TokenizeParams.get_encode_kwargs`: `truncation=True, max_length=N`), whose budget leaves room for
+        the tokens the post-processor adds (the prompt's own tokens are cut, the bos and eos stay; a budget
+        smaller than they are cuts nothing), then cuts the ids to N (`_token_truncation`)."""
+        count, side = request.truncate_prompt_tokens, request.kept_side
+        if count is None or count >= len(ids):
+            return ids
+        if special:
+            if self._affixes is None:
+                raise NotReproduced(
+                    PROMPT_TRUNCATION,
+                    f"{self.name}: truncate_prompt_tokens, and the special tokens are no fixed prefix/suffix",
+                )
+            head, tail = len(self._affixes[0]), len(self._affixes[1])
+            if head + tail and count >= head + tail:
+                body = truncated(ids[head : len(ids) - tail], count - head - tail, side)
+                ids = np.concatenate([ids[:head], body, ids[len(ids) - tail :]])
+        return truncated(ids, count, side)
 
     def encode_request(self, request: InferenceRequest, *, max_chars: int | None = None) -> TokenIds | None:
         """The prompt ids of a parsed request (chat messages with its chat options, else the completions
@@ -416,7 +463,7 @@ class PromptTokenizer:
             c = request.chat or _DEFAULT_CHAT
             # vLLM's --exclude-tools-when-tool-choice-none: no tools for a tool_choice "none"
             excluded = c.tool_choice_none and self.server.exclude_tools_when_tool_choice_none
-            return self.encode_chat(
+            ids = self.encode_chat(
                 request.messages,
                 add_generation_prompt=c.add_generation_prompt,
                 continue_final_message=c.continue_final_message,
@@ -427,8 +474,12 @@ class PromptTokenizer:
                 max_chars=max_chars,
                 keep_unset_kwargs=request.api_kind is ApiKind.RESPONSES,
             )
+            special = bool(add) and not template_tokenizes(c.chat_template_kwargs)
+            return self._truncate(ids, request, special=special)
         if request.prompt is not None:
-            return self.encode_prompt(request.prompt, add_special_tokens=add is not False)
+            ids = self.encode_prompt(request.prompt, add_special_tokens=add is not False)
+            text = isinstance(request.prompt, str)  # token ids are only cut (`_token_truncation`)
+            return self._truncate(ids, request, special=text and add is not False)
         return None
 
     def cache_stats(self) -> dict[str, int]:

@@ -17,11 +17,13 @@ from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.keys import block_keys, root_key
 from epp.kvindex.prompt import (
+    PROMPT_TRUNCATION,
     MultimodalPrompt,
     NotReproduced,
     PromptTooLong,
     TokenizerError,
     TokenizerRegistry,
+    truncated,
 )
 from epp.kvindex.speculative import SpeculativeBlocks
 from epp.requests import CHARS_PER_TOKEN
@@ -31,6 +33,7 @@ _NO_TOKENIZER = PromptTokens(None, "no_tokenizer")
 _TOO_LONG = PromptTokens(None, "too_long")
 _TOKENIZER_ERROR = PromptTokens(None, "tokenizer_error")
 _MULTIMODAL = PromptTokens(None, "multimodal")
+_TRUNCATED = PromptTokens(None, PROMPT_TRUNCATION)
 _NO_PROMPT = PromptTokens(None)
 
 SERVICE_KEY = "kv_index"
@@ -46,7 +49,8 @@ class KvIndexService:
     tokenizers: TokenizerRegistry
     block_size: int
     # model -> requests that could not be keyed, by reason ("no_tokenizer", "too_long", "tokenizer_error",
-    # "multimodal", "tokenizer_busy", "stored_history", "harmony", ...: `PromptTokens.unkeyed`)
+    # "multimodal", "tokenizer_busy", "stored_history", "harmony", "prompt_truncation", ...:
+    # `PromptTokens.unkeyed`)
     unkeyed: Counter[tuple[str, str]] = field(default_factory=Counter)
     # the plugins that read prompts' tokens (they register when built): without any, the server does
     # not tokenize ahead of scheduling
@@ -75,7 +79,7 @@ class KvIndexService:
         worker thread (`epp/server/tokenizing.py`)."""
         if request.prompt is not None and not isinstance(request.prompt, str):
             return 0
-        if request.messages is None and request.prompt is None:
+        if (request.messages is None and request.prompt is None) or request.truncate_prompt_tokens == -1:
             return 0
         tok = self.tokenizers.get(request.model)
         if tok is None or tok.unkeyed_reason(request) is not None:
@@ -87,10 +91,12 @@ class KvIndexService:
         """The prompt's token ids, or why they cannot be known; counts nothing (the caller does), so a
         worker thread may call it (the tokenizer serialises its own calls)."""
         prompt = request.prompt
-        if isinstance(prompt, np.ndarray):  # token ids as an array (the simulator): used as they are
-            return PromptTokens(prompt)
-        if prompt is not None and not isinstance(prompt, str):
-            return PromptTokens(list(prompt))
+        if prompt is not None and not isinstance(prompt, str):  # token ids: used as given, then truncated
+            given = prompt if isinstance(prompt, np.ndarray) else list(prompt)  # (an array: the simulator's)
+            count = request.truncate_prompt_tokens
+            if count == -1:  # vLLM's max_model_len less the output tokens: unknown here
+                return _TRUNCATED
+            return PromptTokens(given if count is None else truncated(given, count, request.kept_side))
         tok = self.tokenizers.get(request.model)
         if tok is None:
             return _NO_TOKENIZER
