@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from epp.kvindex.chat_inputs import lax_bool
 from epp.kvindex.prompt import PromptTokenizer, TokenizerError
 from epp.requests import RequestError, parse_body
 
@@ -74,12 +75,18 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 
 
 def _flag(doc: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A boolean as vLLM's pydantic models read it (`lax_bool`: true/false, 0/1, "true", "no", "on", ...)."""
     value = doc.get(name)
     if value is None:
         return default
-    if type(value) is not bool:
-        raise ApiError(f"'{name}' must be a boolean, got {type(value).__name__}", param=name)
-    return value
+    try:
+        return lax_bool(value)
+    except ValueError:
+        raise ApiError(
+            f'\'{name}\' must be a boolean (true or false; also 0/1 and strings such as "true", "no"), '
+            f"got {value!r}",
+            param=name,
+        ) from None
 
 
 def _ids(values: list[Any], param: str, vocab: int | None) -> npt.NDArray[np.int64]:

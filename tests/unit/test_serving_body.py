@@ -107,7 +107,8 @@ BAD: list[tuple[str, dict[str, Any], bool, int, str, str]] = [
     ("max_tokens type", {"prompt": [1], "max_tokens": "9"}, False, 400, "max_tokens", "must be an integer"),
     ("max_tokens zero", {"prompt": [1], "max_tokens": 0}, False, 400, "max_tokens", "at least 1"),
     ("n", {"prompt": [1], "n": 2}, False, 400, "n", "'n' must be 1"),
-    ("stream type", {"prompt": [1], "stream": "yes"}, False, 400, "stream", "'stream' must be a boolean"),
+    ("stream type", {"prompt": [1], "stream": "maybe"}, False, 400, "stream", "'stream' must be a boolean"),
+    ("stream number", {"prompt": [1], "stream": 2}, False, 400, "stream", "'stream' must be a boolean"),
     ("options without stream", {"prompt": [1], "stream_options": {}}, False, 400, "stream_options", "only"),
     ("salt", {"prompt": [1], "cache_salt": ""}, False, 400, "cache_salt", "non-empty string"),
     ("no messages", {"model": MODEL}, True, 400, "messages", "'messages' must be a non-empty list"),
@@ -164,3 +165,10 @@ def test_bodies_that_are_not_json_objects(raw: bytes, words: str) -> None:
         decode_body(raw)
     assert info.value.status == 400 and words in info.value.message
     assert decode_body(b'{"a": 1}') == {"a": 1}
+
+
+@pytest.mark.parametrize(("value", "streamed"), [("yes", True), ("off", False), (1, True), ("FALSE", False)])
+def test_booleans_are_read_as_vllms_pydantic_models_read_them(
+    reader: BodyReader, value: object, streamed: bool
+) -> None:
+    assert reader.read({"prompt": [1], "stream": value}, chat=False).stream is streamed
