@@ -9,8 +9,9 @@ A file holds either
   the one for every model (`model: "*"`), so that the simulated engines run what the router is told.
 
 The engines use the step coefficients, the KV bytes per token and the `cpu` tier's reload cost; keys
-only the router reads (`maxBatchedTokens`, `unknownRequestTokens`, `kvWaitSteps`, other tiers) are
-accepted and do not change the engines (their step budget is `--max-num-batched-tokens`).
+only the router reads (`maxBatchedTokens`, `unknownRequestTokens`, `kvWaitSteps`, `asyncScheduling`, other
+tiers) are accepted and do not change the engines (their step budget is `--max-num-batched-tokens`, their
+scheduling `--async-scheduling`).
 """
 
 from __future__ import annotations

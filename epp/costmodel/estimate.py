@@ -19,7 +19,9 @@
   queued and own prefill spans (`max_batched_tokens` per step, chunked prefill); and, when nothing
   is queued there but requests decode, half of the decode step in progress (`decode_fixed` + the
   batch's per-sequence and per-context-token cost): a pod that decodes is always mid-step, and a
-  request arriving at a random moment waits on average half a step before its prefill can start.
+  request arriving at a random moment waits on average half a step before its prefill can start;
+  with async scheduling (vLLM's default, the profile's `async_scheduling`) one step more: the engine
+  scheduled the next step while this one runs, and the request joins the one after.
   (With a backlog the step in progress is one of the backlog's, counted whole in the queue.)
 
 vLLM always computes at least the prompt's last token and hits whole blocks, so at most
@@ -173,6 +175,7 @@ def estimate_all(
                 p.decode_per_sequence_s,
                 p.decode_per_context_token_s,
                 p.max_batched_tokens,
+                1.5 if p.async_scheduling else 0.5,
             ],
             dtype=np.float64,
         ),
@@ -202,6 +205,7 @@ def _estimate(
     kp, kq, fixed, per_tok, per_pair, unk, kv_wait_steps, d_fixed, d_seq, d_ctx, max_batched = (
         c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10]
     )  # fmt: skip
+    in_progress = c[11]  # steps an arrival waits at a pod that decodes with nothing queued
     for i in range(load.shape[0]):
         own_req, own_tok, own_pairs = load[i, 0], load[i, 1], load[i, 2]
         waiting, running, decoding, dec_tokens = load[i, 3], load[i, 4], load[i, 5], load[i, 6]
@@ -246,8 +250,8 @@ def _estimate(
         out[1, i] = best_prefill
         out[2, i] = best_reload
         out[3, i] = steps * (d_seq * seqs + d_ctx * context)
-        if seqs > 0 and own_tok == 0 and unknown_waiting == 0:  # the step in progress: half of it
-            out[3, i] = out[3, i] + 0.5 * (d_fixed + d_seq * seqs + d_ctx * context)
+        if seqs > 0 and own_tok == 0 and unknown_waiting == 0:  # half the step in progress (+ the next)
+            out[3, i] = out[3, i] + in_progress * (d_fixed + d_seq * seqs + d_ctx * context)
         out[4, i] = best_cached
         out[5, i] = best_cached - min(gpu_cached, best_cached)
         out[6, i] = queue_nominal

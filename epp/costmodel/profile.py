@@ -56,6 +56,9 @@ class ModelProfile:
     tiers: Mapping[str, TierCost] = field(default_factory=dict)
     unknown_request_tokens: int = 1024  # prompt tokens assumed for queued requests the EPP did not route
     kv_wait_steps: int = 64  # decode steps a request waits when the pod's free KV cannot hold it
+    # The engines schedule a step while the one before runs (vLLM's default): an arrival also waits for
+    # the step scheduled ahead of it.
+    async_scheduling: bool = True
 
     def work(self, uncached: int, cached: int) -> PrefillWork:
         """One request's prefill work: `uncached` new tokens after `cached` ones."""
@@ -171,6 +174,7 @@ class ProfileSpec(_Struct):
     tiers: dict[str, TierSpec] | None = None
     unknown_request_tokens: int | None = None
     kv_wait_steps: int | None = None
+    async_scheduling: bool | None = None
 
 
 def _positive(field: str, value: float, allow_zero: bool = True) -> float:
@@ -255,6 +259,8 @@ def build_profile(raw: Mapping[str, Any] | ProfileSpec) -> tuple[str, ModelProfi
         if spec.kv_wait_steps < 0:
             raise ProfileError("kvWaitSteps", "must be >= 0")
         p = replace(p, kv_wait_steps=spec.kv_wait_steps)
+    if spec.async_scheduling is not None:
+        p = replace(p, async_scheduling=spec.async_scheduling)
     if not spec.model:
         raise ProfileError("model", "must be a model name or '*'")
     return spec.model, p

@@ -122,7 +122,8 @@ def reference_estimate_all(
     decode = steps * (p.decode_per_sequence_s * seqs + p.decode_per_context_token_s * context)
     idle_queue = (seqs > 0) & (own_tok == 0) & (unknown_waiting == 0)
     step_now = p.decode_fixed_s + p.decode_per_sequence_s * seqs + p.decode_per_context_token_s * context
-    decode = np.where(idle_queue, decode + 0.5 * step_now, decode)
+    in_progress = 1.5 if p.async_scheduling else 0.5  # half the step in progress, and the one scheduled ahead
+    decode = np.where(idle_queue, decode + in_progress * step_now, decode)
     return EstimateTable(
         [e.id for e in endpoints],
         n,

@@ -3,6 +3,7 @@ and the per-model CostModel service. Expected values are computed from the profi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -160,6 +161,8 @@ def test_build_profile_takes_kv_bytes_per_token_as_given() -> None:
         ),
         ({"unknownRequestTokens": -1}, "unknownRequestTokens", ">= 0"),
         ({"kvWaitSteps": -1}, "kvWaitSteps", ">= 0"),
+        ({"asyncScheduling": "sometimes"}, "asyncScheduling", "Expected `bool"),
+        ({"asyncScheduling": 2}, "asyncScheduling", "Expected `bool"),
         ({"model": ""}, "model", "model name"),
         ({"prefill": {"perTokens": 1}}, "prefill", "unknown field `perTokens`"),
         ({"perTokenSeconds": 1e-5}, "perTokenSeconds", "unknown field `perTokenSeconds`"),
@@ -252,27 +255,33 @@ def test_decode_interference_counts_own_and_unknown_running_requests_per_prefill
     assert estimate_ttft(P, endpoint("a:1", running=0), prompt).decode_s == 0.0
 
 
-def test_a_decoding_pod_with_nothing_queued_adds_half_the_decode_step_in_progress() -> None:
-    """A pod that decodes is always mid-step: an arrival waits about half a step before its prefill. With
-    a backlog (own or unknown waiting requests) the step in progress is the backlog's, counted whole."""
+@pytest.mark.parametrize(("asynchronous", "waits"), [(True, 1.5), (False, 0.5)])
+def test_a_decoding_pod_with_nothing_queued_adds_the_decode_steps_an_arrival_waits(
+    asynchronous: bool, waits: float
+) -> None:
+    """A pod that decodes is always mid-step: an arrival waits about half a step before its prefill, and,
+    with async scheduling (the default), the whole step the engine scheduled ahead. With a backlog (own
+    or unknown waiting requests) the step in progress is the backlog's, counted whole."""
+    p = dataclasses.replace(P, async_scheduling=asynchronous)
+    assert P.async_scheduling and build_profile({"asyncScheduling": "false"})[1].async_scheduling is False
     prompt = 2_000
     steps = math.ceil(prompt / P.max_batched_tokens)
     per_step = P.decode_per_sequence_s * 5 + P.decode_per_context_token_s * 4000
-    busy = estimate_ttft(P, endpoint("a:1", running=5, decoding=5, decoding_tokens=4000), prompt)
-    assert busy.decode_s == pytest.approx(steps * per_step + 0.5 * P.decode_step_s(5, 4000))
+    busy = estimate_ttft(p, endpoint("a:1", running=5, decoding=5, decoding_tokens=4000), prompt)
+    assert busy.decode_s == pytest.approx(steps * per_step + waits * P.decode_step_s(5, 4000))
     backlog = estimate_ttft(
-        P, endpoint("a:1", running=5, decoding=5, decoding_tokens=4000, backlog=P.work(500, 0)), prompt
+        p, endpoint("a:1", running=5, decoding=5, decoding_tokens=4000, backlog=P.work(500, 0)), prompt
     )
     assert backlog.decode_s == pytest.approx(math.ceil((500 + prompt) / P.max_batched_tokens) * per_step)
     waiting = estimate_ttft(
-        P, endpoint("a:1", running=5, waiting=1, decoding=5, decoding_tokens=4000), prompt
+        p, endpoint("a:1", running=5, waiting=1, decoding=5, decoding_tokens=4000), prompt
     )
     unk = P.unknown_request_tokens
     assert waiting.decode_s == pytest.approx(math.ceil((unk + prompt) / P.max_batched_tokens) * per_step)
-    idle = estimate_ttft(P, endpoint("a:1"), prompt)
+    idle = estimate_ttft(p, endpoint("a:1"), prompt)
     assert idle.decode_s == 0.0
     # the half step makes the busier of two otherwise equal pods the slower one
-    quieter = estimate_ttft(P, endpoint("a:1", running=2, decoding=2, decoding_tokens=4000), prompt)
+    quieter = estimate_ttft(p, endpoint("a:1", running=2, decoding=2, decoding_tokens=4000), prompt)
     assert quieter.ttft_s < busy.ttft_s
 
 

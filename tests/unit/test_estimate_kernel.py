@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,16 +64,25 @@ endpoints = st.builds(
     st.floats(0.0, 4.0),
     st.sampled_from([1, 16, 64]),
     st.randoms(use_true_random=False),
+    st.booleans(),
 )
 def test_the_compiled_estimate_gives_the_numpy_values(
-    eps: list, prompt: int, tiers: list[str], kp: float, kq: float, block: int, rnd: object
+    eps: list,
+    prompt: int,
+    tiers: list[str],
+    kp: float,
+    kq: float,
+    block: int,
+    rnd: object,
+    asynchronous: bool,
 ) -> None:
+    p = dataclasses.replace(P, async_scheduling=asynchronous)
     rng = np.random.default_rng(rnd.randrange(2**32))  # type: ignore[attr-defined]
     held = {
         t: rng.integers(0, 4, size=len(eps)) * rng.integers(0, prompt + 2, size=len(eps)) * 1.0 for t in tiers
     }
-    got = estimate_all(P, eps, prompt, held, kp, kq, None, block)
-    want = reference_estimate_all(P, eps, prompt, held, kp, kq, None, block)
+    got = estimate_all(p, eps, prompt, held, kp, kq, None, block)
+    want = reference_estimate_all(p, eps, prompt, held, kp, kq, None, block)
     for name in COLUMNS:
         assert np.array_equal(getattr(got, name), getattr(want, name)), name
     assert got.ids == want.ids and got.prompt_tokens == want.prompt_tokens

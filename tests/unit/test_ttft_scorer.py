@@ -249,8 +249,9 @@ def test_near_ties_all_score_one_and_the_rest_score_best_over_ttft() -> None:
 
 
 def test_tie_band_seconds_is_the_minimum_band() -> None:
-    # a tiny prompt: 5% of its TTFT is well below the 2 ms floor (all three decode: each waits half a step)
-    eps = [endpoint("a:1", decoding=1), endpoint("b:1", decoding=20), endpoint("c:1", decoding=80)]
+    # a tiny prompt: 5% of its TTFT is well below the 2 ms floor (all three decode: each waits for the
+    # rest of the step in progress and the step scheduled ahead)
+    eps = [endpoint("a:1", decoding=1), endpoint("b:1", decoding=10), endpoint("c:1", decoding=80)]
     times = [estimate_ttft(P, e, 32).ttft_s for e in eps]
     assert times[0] * 0.05 < times[1] - times[0] < 0.002 < times[2] - times[0]
     scores, _ = score(make_scorer(), token_request(list(range(32))), eps)
