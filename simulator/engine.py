@@ -21,8 +21,10 @@ A request submitted while a step runs joins the queue the scheduler sees when th
 scheduled, as vLLM's engine core takes in new requests between steps. With async scheduling (vLLM's
 default, `EngineConfig.async_scheduling`) vLLM scheduled that next step already, while this one ran: the
 request reaches the scheduler a step later (`_held`, `_release`), unless nothing else runs then (vLLM's
-step scheduled ahead was empty); and a step scheduled while another ran sends its KV events and its
-stats when that one ends (`_scheduled`), as vLLM's `update_from_output` does (docs/simulator.md).
+step scheduled ahead was empty); what the requests that end with a step free (blocks, running slots) is
+admitted into a step later (`_freed`, `Scheduler.held_back`), vLLM having scheduled the next step while
+they still held it; and a step scheduled while another ran sends its KV events and its stats when that
+one ends (`_scheduled`), as vLLM's `update_from_output` does (docs/simulator.md).
 A request needing more blocks than the engine holds is refused at `submit`. A request's first output
 token comes at the end of the step that completes its prefill; it finishes after `max_tokens`, and its
 blocks are then freed in reverse order.
@@ -124,9 +126,11 @@ class Engine:
         self._async = cfg.async_scheduling
         self._held: list[tuple[int, ReqState]] = []  # async: (step in flight at submission, request), unseen
         self._in_step = False  # a step (or a span) is scheduled and its end has not come
-        self._pipelined = (
-            False  # async: the step being scheduled follows one that ran (vLLM scheduled it then)
-        )
+        self._pipelined = False  # async: the step being scheduled follows one that ran (scheduled then)
+        self._freed = (
+            0,
+            0,
+        )  # async: (blocks, running slots) that the requests ending with the last step freed
         self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
         self.steps = 0
@@ -249,7 +253,10 @@ class Engine:
         dec = self._decodes
         dec.start(s, self._grow)
         if sched.prefilling or self.waiting or holding:
+            if pipelined and (self.running or holding):  # (nothing runs: vLLM's step ahead was empty)
+                sched.held_back = self._freed
             chunks, starts, tokens, pairs = sched.schedule(s, self.kernel.now())
+            sched.held_back = (0, 0)
             if not chunks and not dec.n:
                 self._empty_step()
                 return
@@ -358,6 +365,7 @@ class Engine:
         self._span_stats = False
         self._in_step = False
         s = self._step
+        free0, running0 = self.pool.num_free, len(self.running)
         if self._aborts:
             self._leave(s)
         self._step = s + 1
@@ -373,6 +381,8 @@ class Engine:
             if done is None:
                 done = []
             self._end_prefills(s, now, done)
+        if self._async:
+            self._freed = (max(self.pool.num_free - free0, 0), max(running0 - len(self.running), 0))
         sink = self.sink
         if sink is not None and sink.dirty:
             sink.flush(now)

@@ -164,7 +164,7 @@ class KvCacheManager:
         return nh * bs, nc * bs
 
     def admit(
-        self, r: ReqState, budget: int, reserved: Callable[[], int] | None = None
+        self, r: ReqState, budget: int, reserved: Callable[[], int] | None = None, held_back: int = 0
     ) -> tuple[int, int, int] | None:
         """Take r's prefix hit and the blocks of its first chunk (at most `budget` tokens): (GPU hit blocks,
         CPU-tier blocks, chunk tokens), with r.computed = the hit; None (nothing taken) unless the whole
@@ -175,7 +175,9 @@ class KvCacheManager:
         load, not cached until it has ended (`allocate_slots(..., delay_cache_blocks=True)`; `cache_full`
         then), and r.computed counts them. Besides the whole-sequence gate the nc blocks must fit beside
         `reserved()`, the blocks that the in-flight prefills and loads still need (vLLM's
-        `reserved_blocks`)."""
+        `reserved_blocks`). `held_back` free blocks are left out of every fit (async scheduling: what
+        the requests that ended with the step before freed, which vLLM had not freed yet when it
+        scheduled this step)."""
         bs = self.block_size
         pool = self.pool
         n = r.target  # vLLM's request.num_tokens: the prompt, and the outputs after a preemption
@@ -189,12 +191,12 @@ class KvCacheManager:
             computed = (nh + nc) * bs
             chunk = 0
             need = nc
-            fit = max(full, nc + reserved()) if reserved is not None else full
+            fit = (max(full, nc + reserved()) if reserved is not None else full) + held_back
         else:
             computed = nh * bs
             chunk = min(n - computed, budget)
             need = -(-(computed + chunk) // bs) - nh
-            fit = full
+            fit = full + held_back
         table = r.table
         if nh:  # plus the hit blocks that touching takes out of the free queue
             if not pool.touch_if_fits(hit_ids, fit):

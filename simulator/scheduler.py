@@ -51,6 +51,7 @@ class Scheduler:
         "_max_seqs",
         "_max_tokens",
         "_order",
+        "held_back",
         "preempted",
         "preemptions",
         "prefilling",
@@ -72,6 +73,9 @@ class Scheduler:
         self.running: dict[int, ReqState] = {}  # by admission order
         self.prefilling: list[ReqState] = []  # running, prefill incomplete, in admission order
         self._order = 0
+        # (blocks, running slots) admission must leave alone in the step being scheduled: with async
+        # scheduling, what the requests that ended with the step before freed (the engine sets it)
+        self.held_back = (0, 0)
         self.preempted = False
         self.preemptions = 0
         self.prefix_cache_queries = 0
@@ -102,7 +106,7 @@ class Scheduler:
         starts = 0
         if not self.preempted:
             waiting, running = self.waiting, self.running
-            max_seqs = self._max_seqs
+            max_seqs = self._max_seqs - self.held_back[1]
             more = True
             if self._loads.holding:  # vLLM schedules the waiting requests that hold blocks first
                 n = len(chunks)
@@ -132,7 +136,7 @@ class Scheduler:
         prefix-cache lookup is counted, and it is either scheduled (0: r.computed is its hit, its first
         chunk's blocks are taken) or, when the CPU tier continues its hit, left waiting for that load (the
         tokens loaded: the blocks of hit and load are taken, nothing is scheduled; `LoadQueue.start`)."""
-        got = self._kv.admit(r, budget, self._reserved_blocks)
+        got = self._kv.admit(r, budget, self._reserved_blocks, self.held_back[0])
         if got is None:
             return -1
         nh, nc, _ = got

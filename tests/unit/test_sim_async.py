@@ -134,3 +134,47 @@ def test_a_mid_span_arrival_is_scheduled_as_step_by_step(arrive: float) -> None:
     assert b_span.scheduled_s == b_step.scheduled_s == ends[k + 1]
     assert b_span.finished_s == b_step.finished_s
     assert span.engine.kernel.events_run < 100  # (spans: far fewer kernel events than 200 steps)
+
+
+def admitted(asynchronous: bool, **cfg: int) -> tuple[float | None, list[float]]:
+    """`a` (3 tokens) and `c` (10) run, `b` waits for what `a` frees: when is `b` scheduled, and every
+    step's end. Prompts of 20 tokens: two blocks of 16 each, for the whole request."""
+    run = Run(asynchronous, spans=False, block_size=16, **cfg)
+    run.submit("a", 20, 3)
+    run.submit("c", 20, 10, start=1000)
+    b = run.submit("b", 20, 3, start=2000)
+    ends: list[float] = []
+    last = 0
+    while run.kernel.step():
+        if run.engine.steps_ended() != last:
+            last = run.engine.steps_ended()
+            ends.append(run.kernel.now())
+    assert run.engine.idle and run.engine.pool.num_used == 0
+    return b.scheduled_s, ends
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"max_num_seqs": 2, "num_gpu_blocks": 200},  # b waits for a's running slot
+        {"max_num_seqs": 8, "num_gpu_blocks": 6},  # b waits for a's blocks (5 usable, 2 each)
+    ],
+)
+def test_what_a_request_ending_with_a_step_frees_is_used_a_step_later(cfg: dict[str, int]) -> None:
+    """vLLM scheduled the next step while `a`'s last one ran, with `a` still holding its slot and blocks:
+    `b` gets them at the end of that next step; a synchronous core gives them at once."""
+    b_sync, ends = admitted(False, **cfg)
+    b_async, ends_async = admitted(True, **cfg)
+    a_done = ends[2]  # a: its prefill, then two decode steps
+    assert b_sync == a_done
+    assert b_async == ends_async[3] and ends_async[2] == a_done
+
+
+def test_with_nothing_else_running_what_a_request_frees_is_used_at_once() -> None:
+    """Only `a` runs: the step vLLM scheduled ahead of its end is empty, so `b` starts when `a` ends."""
+    for asynchronous in (False, True):
+        run = Run(asynchronous, spans=False, block_size=16, max_num_seqs=1, num_gpu_blocks=200)
+        a = run.submit("a", 32, 3)
+        b = run.submit("b", 32, 3, start=2000)
+        run.kernel.run()
+        assert b.scheduled_s == a.finished_s
