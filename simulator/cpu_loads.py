@@ -81,6 +81,8 @@ class LoadQueue:
             if r.phase == LOADING:
                 continue  # skipped for this step
             kv.cache_full(r, r.computed)  # its loaded blocks are cached (one BlockStored)
+            if r.computed >= r.target:  # the load covered the whole prompt: vLLM computes its last token
+                r.computed = r.target - 1
             if kv.remaining(r) > pool.num_free:  # the whole-sequence gate
                 return budget, False
             self.holding.remove(r)

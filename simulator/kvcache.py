@@ -185,7 +185,9 @@ class KvCacheManager:
         hit_ids = pool.lookup_ids(r.values, limit)
         nh = len(hit_ids)
         cpu = self.cpu
-        nc = cpu.run(r.hashes, nh, limit) if cpu is not None and nh < limit else 0
+        # the connector looks up whole blocks up to the prompt's end; a load that covers the whole prompt
+        # leaves its last token to compute (`cpu_loads.LoadQueue.schedule`)
+        nc = cpu.run(r.hashes, nh, n // bs) if cpu is not None and nh < n // bs else 0
         full = -(-n // bs) - nh  # the gate: every block past the GPU hit (CPU-tier blocks need GPU ones)
         if nc:
             computed = (nh + nc) * bs

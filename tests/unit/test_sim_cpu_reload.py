@@ -172,3 +172,16 @@ def test_a_load_leaves_the_blocks_the_loads_before_it_still_need() -> None:
     assert c1.finished_s is not None and c2.scheduled_s is not None
     assert c2.scheduled_s >= c1.finished_s + LAT.reload_seconds(8)
     assert (c1.cpu_loaded_tokens, c2.cpu_loaded_tokens) == (8, 8)
+
+
+def test_a_block_aligned_prompt_held_on_the_cpu_is_loaded_whole_and_its_last_token_computed() -> None:
+    """The connector looks up whole blocks to the prompt's end (`num_tokens // block_size`), and vLLM's
+    `_update_waiting_for_remote_kv` then leaves one token to compute when the load covered the prompt:
+    all 192 blocks of A are loaded, none recomputed (the GPU hit alone stops one token short)."""
+    e, k = held_on_cpu()
+    rec = e.submit(SimRequest("again", A, max_tokens=2))
+    k.run()
+    assert (rec.cached_tokens, rec.cpu_loaded_tokens) == (0, 3072)
+    assert rec.first_token_s is not None and rec.finished_s is not None and rec.output_tokens == 2
+    assert e.probe(A)[0] == 3072  # every block back on the GPU, cached
+    e.pool.check()
