@@ -41,6 +41,7 @@ from tqdm import tqdm
 from simulator import policies, report
 from simulator.cluster import MIN_SCRAPE_INTERVAL, ClusterConfig
 from simulator.engine import EngineConfig
+from simulator.engine_config import CPU_WRITE_POLICIES
 from simulator.engine_replay import EngineReplayError, engine_replay
 from simulator.latency import DEFAULT_PROFILE, PROFILES
 from simulator.latency_file import load_latency_profile
@@ -120,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
         default=None,
         help="GB/s from the CPU tier back to the GPU (default: the latency profile's)",
+    )
+    r.add_argument(
+        "--cpu-write-policy",
+        choices=CPU_WRITE_POLICIES,
+        default="write-through",
+        help="when a block reaches the CPU tier: write-through (as it is computed: vLLM's "
+        "OffloadingConnector, SGLang HiCache's default) or write-back (when the GPU evicts it) "
+        "(default %(default)s)",
     )
     r.add_argument(
         "--max-num-batched-tokens", type=_positive(int), default=8192, help="token budget of an engine step"
@@ -341,6 +350,7 @@ def run_replay(args: argparse.Namespace) -> int:
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=args.block_size,
         cpu_blocks=args.cpu_blocks,
+        cpu_write_policy=args.cpu_write_policy,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         async_scheduling=args.async_scheduling,
@@ -381,6 +391,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "num_gpu_blocks": args.num_gpu_blocks,
         "block_size": args.block_size,
         "cpu_blocks": args.cpu_blocks,
+        "cpu_write_policy": args.cpu_write_policy,
         "cpu_bandwidth_gb_per_s": args.cpu_bandwidth,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,

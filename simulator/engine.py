@@ -106,7 +106,13 @@ class Engine:
             if on_events is not None or on_batches is not None
             else None
         )
-        self.kv = KvCacheManager(cfg.num_gpu_blocks, cfg.block_size, cfg.cpu_blocks, self.sink)
+        self.kv = KvCacheManager(
+            cfg.num_gpu_blocks,
+            cfg.block_size,
+            cfg.cpu_blocks,
+            self.sink,
+            cfg.cpu_write_policy == "write-through",
+        )
         self.pool = self.kv.pool
         self.cpu = self.kv.cpu
         self.on_first_token = on_first_token

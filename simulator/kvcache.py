@@ -7,7 +7,7 @@ blocks for it:
 - `new_request` hashes a request's blocks once (prompt and the generated tokens it will feed back,
   `hashing.py`, chained from a root per LoRA adapter and cache salt);
 - `admit` finds the prefix hit (GPU run, capped at floor((len - 1) / block_size) blocks, then the
-  CPU tier's continuation up to the same cap), takes the hit blocks and allocates the rest of the
+  CPU tier's continuation, in whole blocks up to the prompt's end), takes the hit blocks and allocates the rest of the
   first chunk's blocks; it refuses (the scheduler keeps the request waiting) unless the blocks of the
   *whole* sequence fit, as vLLM's admission gate (`allocate_slots(..., full_sequence_must_fit=True)`,
   its default `scheduler_reserve_full_isl`): the blocks its tokens need beyond the GPU hit, plus the
@@ -21,10 +21,13 @@ blocks for it:
   does when it schedules them, with one `BlockStored` for them;
 - `free` releases a request's blocks in reverse order.
 
-A GPU block evicted by an allocation goes to the CPU tier when there is one (`offload.py`); per
-block, the CPU tier's `BlockStored` (with the block's parent hash, token ids, adapter and salt,
-kept per block for this) is emitted before the GPU's `BlockRemoved`, so an index receiving the
-events always knows the parent of what it stores.
+The CPU tier, when there is one (`offload.py`), takes a block as `cache_full` caches it on the GPU
+(write-through, vLLM's `OffloadingConnector`: the CPU's `BlockStored` right after the GPU's, in the
+same batch; a block the GPU evicts later is only `BlockRemoved` there), or, with `write_through` off
+(SGLang HiCache's `write_back`), when an allocation evicts it from the GPU: per block, the CPU tier's
+`BlockStored` (with the block's parent hash, token ids, adapter and salt, kept per block for this) is
+emitted before the GPU's `BlockRemoved`, so an index receiving the events always knows the parent of
+what it stores. Either way a full CPU tier drops its least recently used block (`BlockRemoved`, CPU).
 """
 
 from __future__ import annotations
@@ -121,16 +124,25 @@ class KvCacheManager:
         "_btok",
         "_chains",
         "_roots",
+        "_write_through",
         "block_size",
         "cpu",
         "pool",
         "sink",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, cpu_blocks: int, sink: EventSink | None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        cpu_blocks: int,
+        sink: EventSink | None,
+        write_through: bool = True,
+    ) -> None:
         self.block_size = bs = block_size
         self.pool = BlockPool(num_blocks, bs)
         self.cpu = CpuTier(cpu_blocks) if cpu_blocks else None
+        self._write_through = write_through and self.cpu is not None
         self.sink = sink
         if self.cpu is not None:  # what a CPU-tier event needs about an evicted GPU block
             self._bparent = np.zeros(num_blocks, dtype=np.uint64)
@@ -257,7 +269,7 @@ class KvCacheManager:
         if b - a == 1:  # a decode filling a block: scalar operations
             blk: int = r.table.item(a)
             self.pool.cache_at(blk, r.values, a)
-            if self.cpu is not None:
+            if self.cpu is not None and not self._write_through:  # (write-back: for `_evicted`)
                 self._btag[blk] = r.tag
                 self._btok[blk] = r.tokens[a * bs : b * bs]
                 self._bfirst[blk] = a == 0
@@ -266,10 +278,12 @@ class KvCacheManager:
                 parent = r.values.item(a - 1) if a else None
                 tokens = r.tokens[a * bs : b * bs].tolist()
                 sink.stored([r.values.item(a)], parent, tokens, GPU, r.lora, r.salt)
+            if self._write_through:
+                self._store_cpu(r, a, b)
             return
         ids = r.table[a:b]
         self.pool.cache(ids, r.values[a:b])
-        if self.cpu is not None:
+        if self.cpu is not None and not self._write_through:
             self._btag[ids] = r.tag
             self._btok[ids] = r.tokens[a * bs : b * bs].reshape(b - a, bs)
             self._bfirst[ids] = False
@@ -283,6 +297,34 @@ class KvCacheManager:
             sink.stored(
                 r.values[a:b].tolist(), parent, r.tokens[a * bs : b * bs].tolist(), GPU, r.lora, r.salt
             )
+        if self._write_through:
+            self._store_cpu(r, a, b)
+
+    def _store_cpu(self, r: ReqState, a: int, b: int) -> None:
+        """Write-through: r's blocks a..b-1, just cached on the GPU, are stored on the CPU tier too (those
+        it holds already are refreshed): a `BlockStored` per run of new ones, then the CPU's evictions."""
+        cpu = self.cpu
+        assert cpu is not None
+        sink = self.sink
+        bs = self.block_size
+        values = r.values
+        start = -1
+        gone: list[int] = []
+        for i in range(a, b + 1):
+            new = False
+            if i < b:
+                new, lost = cpu.put(values.item(i))
+                gone += lost
+            if new and start < 0:
+                start = i
+            elif not new and start >= 0:
+                if sink is not None:
+                    parent = values.item(start - 1) if start else None
+                    tokens = r.tokens[start * bs : i * bs].tolist()
+                    sink.stored(values[start:i].tolist(), parent, tokens, CPU, r.lora, r.salt)
+                start = -1
+        if gone and sink is not None:
+            sink.removed(gone, CPU)
 
     def reset_prefix_cache(self, at: float) -> bool:
         """Forget every cached block, on the GPU and the CPU tier, and publish `AllBlocksCleared` (at
@@ -309,7 +351,7 @@ class KvCacheManager:
         if cpu is None and sink is None:
             return
         hashes: list[int] = values.tolist() if isinstance(values, np.ndarray) else values
-        if cpu is None:
+        if cpu is None or self._write_through:  # (write-through: the CPU tier has it, or dropped it)
             if sink is not None:
                 sink.removed(hashes, GPU)
             return

@@ -1,16 +1,12 @@
 """The optional CPU offload tier: an LRU of block hashes with a capacity in blocks. Pure.
 
-A block evicted from the GPU is kept here (a victim cache); a later request whose GPU prefix
-hit stops at block k can load blocks k, k+1, ... from here instead of recomputing them, if
-they are present (it waits for the load, the other requests do not: `cpu_loads.py`). Loading a
-block or storing it again refreshes it; when full, the least recently used block is evicted.
-The engine reports what this tier stores and evicts as `BlockStored` / `BlockRemoved` events
-with medium "CPU", as vLLM's CPU offloading connector does.
-
-vLLM's `OffloadingConnector` writes blocks to the CPU as soon as they are computed (write
-through) rather than when the GPU evicts them; with a CPU tier larger than the GPU's the two
-hold nearly the same prefixes, and the victim model keeps each block on one tier in the common
-case, which makes the tier's effect (and its events) easy to read.
+A block is put here as it is computed (write-through, vLLM's `OffloadingConnector`) or when the GPU
+evicts it (write-back), as `kvcache.py` decides (`EngineConfig.cpu_write_policy`); a later request
+whose GPU prefix hit stops at block k can load blocks k, k+1, ... from here instead of recomputing
+them, if they are present (it waits for the load, the other requests do not: `cpu_loads.py`). Loading
+a block or storing it again refreshes it; when full, the least recently used block is evicted. The
+engine reports what this tier stores and evicts as `BlockStored` / `BlockRemoved` events with medium
+"CPU", as vLLM's CPU offloading connector does.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.engine import EngineConfig
+from simulator.engine_config import CPU_WRITE_POLICIES
 from simulator.latency import DEFAULT_PROFILE, PROFILES
 from simulator.latency_file import load_latency_profile
 from simulator.serving.config import KV_EVENTS_MODES, EngineServerConfig
@@ -73,6 +74,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--cpu-blocks", type=_number(int, 0), default=0, help="CPU offload tier in blocks (0: none)"
+    )
+    e.add_argument(
+        "--cpu-write-policy",
+        choices=CPU_WRITE_POLICIES,
+        default="write-through",
+        help="when a block reaches the CPU tier: write-through (as it is computed: vLLM's "
+        "OffloadingConnector, SGLang HiCache's default) or write-back (when the GPU evicts it) "
+        "(default %(default)s)",
     )
     e.add_argument(
         "--latency-profile",
@@ -142,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> EngineServerConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             cpu_blocks=args.cpu_blocks,
+            cpu_write_policy=args.cpu_write_policy,
             model=args.model,
             async_scheduling=args.async_scheduling,
         )

@@ -147,6 +147,7 @@ def test_bad_values_are_named(
         (["--scrape-interval", "0"], "--scrape-interval: must be a finite number > 0"),
         (["--rate", "inf"], "--rate: must be a finite number > 0"),
         (["--arrivals", "uniform"], "--arrivals: invalid choice: 'uniform'"),
+        (["--cpu-write-policy", "lazy"], "--cpu-write-policy: invalid choice: 'lazy'"),
         (["--arrivals", "gamma", "--arrival-cv", "0"], "--arrival-cv: must be a finite number > 0"),
         (["--arrivals", "gamma", "--arrival-cv", "nan"], "--arrival-cv: must be a finite number > 0"),
         (["--arrivals", "gamma", "--arrival-cv", "inf"], "--arrival-cv: must be a finite number > 0"),
@@ -199,6 +200,12 @@ def test_engine_settings_reach_the_engines_and_the_meta(tmp_path: pathlib.Path) 
     assert b["meta"]["max_num_batched_tokens"] == 64 and b["meta"]["max_num_seqs"] == 8
     assert b["meta"]["cpu_bandwidth_gb_per_s"] == 2.5 and a["meta"]["cpu_bandwidth_gb_per_s"] is None
     assert b["policies"]["random"]["ttft_mean_s"] > a["policies"]["random"]["ttft_mean_s"]
+    assert (a["meta"]["async_scheduling"], a["meta"]["cpu_write_policy"]) == (True, "write-through")
+    other = ["--no-async-scheduling", "--cpu-write-policy", "write-back"]
+    assert main([*args, *other, "--out", str(tmp_path / "c")]) == 0
+    c = summary(tmp_path / "c")
+    assert (c["meta"]["async_scheduling"], c["meta"]["cpu_write_policy"]) == (False, "write-back")
+    assert c["policies"]["random"]["ttft_mean_s"] < a["policies"]["random"]["ttft_mean_s"]  # no step ahead
 
 
 def mooncake(path: pathlib.Path, *rows: tuple[int, int, int]) -> pathlib.Path:

@@ -456,8 +456,8 @@ def test_the_request_admitted_last_is_the_one_preempted_and_it_resumes_from_its_
 # -- the CPU tier -------------------------------------------------------------------------------
 
 
-def test_evicted_blocks_go_to_the_cpu_tier_and_are_loaded_back_instead_of_recomputed() -> None:
-    run = make(num_gpu_blocks=4, block_size=4, cpu_blocks=8)  # usable GPU 1 2 3
+def test_write_back_evicted_blocks_go_to_the_cpu_tier_and_are_loaded_back_instead_of_recomputed() -> None:
+    run = make(num_gpu_blocks=4, block_size=4, cpu_blocks=8, cpu_write_policy="write-back")  # GPU 1 2 3
     a12 = A + toks(108, 4)
     # A takes 1 2 -> queue 3 2 1; B takes 3, then 2 (evicts HA[1]: kept on the CPU, parent HA[0])
     # a12: GPU hit HA[0] (block 1); the CPU tier continues with HA[1] (cap floor(11 / 4) = 2): loaded,
@@ -494,13 +494,54 @@ def test_cpu_reload_costs_its_bandwidth_and_latency() -> None:
     assert run.removed("cpu") == []  # the CPU tier never filled
 
 
-def test_cpu_tier_evicts_least_recently_used_with_cpu_events() -> None:
-    run = make(num_gpu_blocks=3, block_size=4, cpu_blocks=2)  # 2 usable GPU blocks
+def test_write_back_cpu_tier_evicts_least_recently_used_with_cpu_events() -> None:
+    run = make(num_gpu_blocks=3, block_size=4, cpu_blocks=2, cpu_write_policy="write-back")  # 2 usable
     sequential(run, [A, B, C])
     # B evicts A's 2 blocks to the CPU (HA[1], HA[0]); C evicts B's (HB[1], HB[0]), which pushes A's out
     assert run.removed("gpu") == [HA[1], HA[0], HB[1], HB[0]]
     assert run.removed("cpu") == [HA[1], HA[0]]
     assert list(run.engine.cpu.lru) == [HB[1], HB[0]]  # type: ignore[union-attr]
+
+
+def all_hashes(run: Run, kind: type, tier: str) -> list[int]:
+    return [h for e in run.events if isinstance(e, kind) and e.tier == tier for h in e.block_hashes]
+
+
+def test_write_through_stores_every_block_on_the_cpu_as_it_is_computed() -> None:
+    """vLLM's OffloadingConnector: each block goes to the CPU as it is computed (its BlockStored right
+    after the GPU's); the GPU evicting it later is only a GPU BlockRemoved, and it is loaded back."""
+    run = make(num_gpu_blocks=4, block_size=4, cpu_blocks=8)  # usable GPU 1 2 3; write-through: default
+    a12 = A + toks(108, 4)
+    recs = sequential(run, [A, B, a12])
+    assert [(r.cached_tokens, r.cpu_loaded_tokens) for r in recs] == [(0, 0), (0, 0), (4, 4)]
+    cpu = run.stored("cpu")
+    assert cpu[0].block_hashes == tuple(HA) and cpu[0].parent_block_hash is None
+    assert cpu[0].token_ids == tuple(A)
+    assert cpu[1].block_hashes == tuple(HB)
+    assert all_hashes(run, BlockStored, "cpu")[:4] == [*HA, *HB]  # a12's blocks follow (its third)
+    assert HA[1] in all_hashes(run, BlockRemoved, "gpu")  # evicted by B's second block...
+    assert all_hashes(run, BlockRemoved, "cpu") == []  # ...and still on the CPU, where a12 loads it
+    events = run.events
+    first_gpu = next(i for i, e in enumerate(events) if isinstance(e, BlockStored) and e.tier == "gpu")
+    assert events[first_gpu + 1] == cpu[0]  # the CPU's copy right after the GPU's
+    ingest = KvIngest(BlockIndex(block_size=4, max_entries=1000), FreshnessTracker(), lambda pod: "m")
+    for seq, payload, at in run.batches:
+        ingest.on_live(POD, 0, seq, payload, at)
+    assert_index_agrees(run.engine, ingest, [A, B, a12])
+
+
+def test_write_through_cpu_tier_keeps_the_most_recently_written_blocks() -> None:
+    run = make(num_gpu_blocks=3, block_size=4, cpu_blocks=2)  # 2 usable GPU blocks, 2 CPU blocks
+    sequential(run, [A, B, C])
+    # each request's two blocks are written through; each pair pushes the one before out of the CPU
+    assert all_hashes(run, BlockRemoved, "cpu") == [*HA, *HB]
+    assert all_hashes(run, BlockRemoved, "gpu") == [HA[1], HA[0], HB[1], HB[0]]
+    assert list(run.engine.cpu.lru) == list(hashes_of(C, 4)[:2])  # type: ignore[union-attr]
+
+
+def test_an_unknown_cpu_write_policy_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="cpu_write_policy must be one of write-through, write-back"):
+        EngineConfig(cpu_blocks=4, cpu_write_policy="lazy")
 
 
 # -- hypothesis: sequential requests against a literal model of the rules ---------------------------
