@@ -7,11 +7,12 @@ blocks for it:
 - `new_request` hashes a request's blocks once (prompt and the generated tokens it will feed back,
   `hashing.py`, chained from a root per LoRA adapter and cache salt);
 - `admit` finds the prefix hit (GPU run, capped at floor((len - 1) / block_size) blocks, then the
-  CPU tier's continuation, in whole blocks up to the prompt's end), takes the hit blocks and allocates the rest of the
-  first chunk's blocks; it refuses (the scheduler keeps the request waiting) unless the blocks of the
-  *whole* sequence fit, as vLLM's admission gate (`allocate_slots(..., full_sequence_must_fit=True)`,
-  its default `scheduler_reserve_full_isl`): the blocks its tokens need beyond the GPU hit, plus the
-  hit blocks that sit in the free queue (touching them takes them from it), at most the free blocks.
+  CPU tier's continuation, in whole blocks up to the prompt's end), takes the hit blocks and
+  allocates the rest of the first chunk's blocks; it refuses (the scheduler keeps the request
+  waiting) unless the blocks of the *whole* sequence fit, as vLLM's admission gate
+  (`allocate_slots(..., full_sequence_must_fit=True)`, its default `scheduler_reserve_full_isl`): the
+  blocks its tokens need beyond the GPU hit, plus the hit blocks that sit in the free queue (touching
+  them takes them from it), at most the free blocks.
   Only the first chunk's blocks are taken; the rest come chunk by chunk (`grow`), so a running
   request can still be preempted for them. A request the CPU tier continues is not scheduled: the
   blocks to load its continuation into are allocated (uncached) and the engine waits for the load;
