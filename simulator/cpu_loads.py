@@ -67,7 +67,13 @@ class LoadQueue:
                 r.phase = LOADED
 
     def schedule(
-        self, chunks: Chunks, budget: int, seats: int, run: Callable[[ReqState, float], None], now: float
+        self,
+        chunks: Chunks,
+        budget: int,
+        seats: int,
+        run: Callable[[ReqState, float], None],
+        now: float,
+        held_back: int = 0,
     ) -> tuple[int, bool]:
         """The loaded requests are scheduled first (vLLM schedules the waiting requests that hold blocks
         first), in order, while `budget` tokens last and `seats` requests may still run: `run`, their first
@@ -83,7 +89,7 @@ class LoadQueue:
             kv.cache_full(r, r.computed)  # its loaded blocks are cached (one BlockStored)
             if r.computed >= r.target:  # the load covered the whole prompt: vLLM computes its last token
                 r.computed = r.target - 1
-            if kv.remaining(r) > pool.num_free:  # the whole-sequence gate
+            if kv.remaining(r) + held_back > pool.num_free:  # the whole-sequence gate (async: `admit`)
                 return budget, False
             self.holding.remove(r)
             run(r, now)

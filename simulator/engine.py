@@ -69,7 +69,7 @@ from simulator.records import (
     as_token_array,
     fed_tokens,
 )
-from simulator.scheduler import Scheduler
+from simulator.scheduler import NOTHING_HELD, Scheduler
 from simulator.step_stats import StepStats
 
 __all__ = ["Engine", "EngineConfig"]
@@ -133,10 +133,8 @@ class Engine:
         self._held: list[tuple[int, ReqState]] = []  # async: (step in flight at submission, request), unseen
         self._in_step = False  # a step (or a span) is scheduled and its end has not come
         self._pipelined = False  # async: the step being scheduled follows one that ran (scheduled then)
-        self._freed = (
-            0,
-            0,
-        )  # async: (blocks, running slots) that the requests ending with the last step freed
+        self._freed = (0, 0)  # async: (blocks, running slots) that the requests ending with a step freed
+        self._freed_ids: set[int] = set()  # async: the blocks they held
         self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
         self.steps = 0
@@ -230,6 +228,8 @@ class Engine:
         for them is dropped), or before step s is scheduled when they were aborted between steps."""
         prefill = False
         for v in self._aborts:
+            if self._async:
+                self._freed_ids.update(v.table[: v.nblocks].tolist())
             if v.phase == LOADING or v.phase == LOADED:
                 self._loads.leave(v)
             else:
@@ -247,22 +247,22 @@ class Engine:
         self._arrivals.clear()  # (the engine core took them in: the scheduler sees them now)
         pipelined = self._pipelined
         self._pipelined = False
-        if self._held:
-            self._release(s)
         holding = self._loads.holding
         if holding:
             self._loads.ended()
         if self._aborts:
             self._leave(s)
+        if self._held:  # (after the aborted ones left: they no longer run)
+            self._release(s)
         sched = self._sched
         sched.preempted = False
         dec = self._decodes
         dec.start(s, self._grow)
         if sched.prefilling or self.waiting or holding:
-            if pipelined and (self.running or holding):  # (nothing runs: vLLM's step ahead was empty)
-                sched.held_back = self._freed
+            if pipelined and self.running:  # (nothing runs: vLLM's step ahead was empty)
+                sched.held_back = (*self._freed, self._freed_ids)
             chunks, starts, tokens, pairs = sched.schedule(s, self.kernel.now())
-            sched.held_back = (0, 0)
+            sched.held_back = NOTHING_HELD
             if not chunks and not dec.n:
                 self._empty_step()
                 return
@@ -295,15 +295,15 @@ class Engine:
 
     def _release(self, s: int) -> None:
         """Async scheduling: the requests submitted while step s - 2 (or before) ran reach the scheduler at
-        step s, vLLM having scheduled step s - 1 while s - 2 ran; all of them when nothing runs, as vLLM's
-        pipeline then holds an empty step and schedules the next one at once."""
+        step s, vLLM having scheduled step s - 1 while s - 2 ran; all of them when nothing runs or waits
+        (while CPU-tier loads run too), as vLLM's pipeline then holds an empty step and schedules the next
+        one at once."""
         held = self._held
-        if not (self.running or self._loads.holding):
-            keep: list[tuple[int, ReqState]] = []
-        else:
-            keep = [h for h in held if h[0] + 2 > s]
-            if len(keep) == len(held):
-                return
+        keep = [h for h in held if h[0] + 2 > s]
+        if len(keep) == len(held) and (self.running or self.waiting):
+            return
+        if not (self.running or self.waiting) and len(keep) == len(held):
+            keep = []  # nothing runs, waits or is due: vLLM's step scheduled ahead is empty
         for flight, r in held:
             if flight + 2 <= s or not keep:
                 self.waiting.append(r)
@@ -328,6 +328,10 @@ class Engine:
             self.kernel.schedule(0.0, self._start_step)  # everything running was preempted: admit afresh
         elif holding:
             self._loads.await_first()
+        elif self._held:  # (a backstop: `_release` lets them in when nothing runs or waits)
+            self.waiting.extend(r for _, r in self._held)
+            self._held = []
+            self.kernel.schedule(0.0, self._start_step)
         else:
             self._busy = False
 
@@ -372,6 +376,8 @@ class Engine:
         self._in_step = False
         s = self._step
         free0, running0 = self.pool.num_free, len(self.running)
+        if self._freed_ids:
+            self._freed_ids = set()
         if self._aborts:
             self._leave(s)
         self._step = s + 1
@@ -433,6 +439,8 @@ class Engine:
         r.phase = DONE
         self._states.pop(id(r.rec), None)
         del self.running[r.order]
+        if self._async:
+            self._freed_ids.update(r.table[: r.nblocks].tolist())
         self.kv.free(r)
         rec = r.rec
         rec.finished_s = now

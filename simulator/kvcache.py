@@ -33,7 +33,7 @@ what it stores. Either way a full CPU tier drops its least recently used block (
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -177,7 +177,12 @@ class KvCacheManager:
         return nh * bs, nc * bs
 
     def admit(
-        self, r: ReqState, budget: int, reserved: Callable[[], int] | None = None, held_back: int = 0
+        self,
+        r: ReqState,
+        budget: int,
+        reserved: Callable[[], int] | None = None,
+        held_back: int = 0,
+        freed: Collection[int] = (),
     ) -> tuple[int, int, int] | None:
         """Take r's prefix hit and the blocks of its first chunk (at most `budget` tokens): (GPU hit blocks,
         CPU-tier blocks, chunk tokens), with r.computed = the hit; None (nothing taken) unless the whole
@@ -190,13 +195,16 @@ class KvCacheManager:
         `reserved()`, the blocks that the in-flight prefills and loads still need (vLLM's
         `reserved_blocks`). `held_back` free blocks are left out of every fit (async scheduling: what
         the requests that ended with the step before freed, which vLLM had not freed yet when it
-        scheduled this step)."""
+        scheduled this step), but for the hit blocks among them (`freed`): vLLM's lookup found those
+        in use, not in the free queue."""
         bs = self.block_size
         pool = self.pool
         n = r.target  # vLLM's request.num_tokens: the prompt, and the outputs after a preemption
         limit = (n - 1) // bs  # vLLM always computes at least one prompt token
         hit_ids = pool.lookup_ids(r.values, limit)
         nh = len(hit_ids)
+        if held_back and nh and freed:
+            held_back = max(held_back - sum(1 for b in hit_ids.tolist() if b in freed), 0)
         cpu = self.cpu
         # the connector looks up whole blocks up to the prompt's end; a load that covers the whole prompt
         # leaves its last token to compute (`cpu_loads.LoadQueue.schedule`)

@@ -37,6 +37,9 @@ from simulator.decode_batch import DecodeBatch
 from simulator.engine_config import EngineConfig
 from simulator.kvcache import DECODE, PREFILL, WAITING, KvCacheManager, ReqState
 
+HeldBack = tuple[int, int, "set[int] | frozenset[int]"]
+NOTHING_HELD: HeldBack = (0, 0, frozenset())
+
 
 class Scheduler:
     """The engine's `waiting` queue and `running` set (by admission order; `prefilling`: those still in
@@ -73,9 +76,9 @@ class Scheduler:
         self.running: dict[int, ReqState] = {}  # by admission order
         self.prefilling: list[ReqState] = []  # running, prefill incomplete, in admission order
         self._order = 0
-        # (blocks, running slots) admission must leave alone in the step being scheduled: with async
-        # scheduling, what the requests that ended with the step before freed (the engine sets it)
-        self.held_back = (0, 0)
+        # (blocks, running slots, block ids) admission must leave alone in the step being scheduled: with
+        # async scheduling, what the requests that ended with the step before freed (the engine sets it)
+        self.held_back: HeldBack = NOTHING_HELD
         self.preempted = False
         self.preemptions = 0
         self.prefix_cache_queries = 0
@@ -110,7 +113,9 @@ class Scheduler:
             more = True
             if self._loads.holding:  # vLLM schedules the waiting requests that hold blocks first
                 n = len(chunks)
-                budget, more = self._loads.schedule(chunks, budget, max_seqs - len(running), self.run, now)
+                budget, more = self._loads.schedule(
+                    chunks, budget, max_seqs - len(running), self.run, now, self.held_back[0]
+                )
                 for r, chunk in chunks[n:]:
                     tokens += chunk
                     pairs += chunk * (r.computed + chunk / 2.0)
@@ -136,7 +141,8 @@ class Scheduler:
         prefix-cache lookup is counted, and it is either scheduled (0: r.computed is its hit, its first
         chunk's blocks are taken) or, when the CPU tier continues its hit, left waiting for that load (the
         tokens loaded: the blocks of hit and load are taken, nothing is scheduled; `LoadQueue.start`)."""
-        got = self._kv.admit(r, budget, self._reserved_blocks, self.held_back[0])
+        held, _, ids = self.held_back
+        got = self._kv.admit(r, budget, self._reserved_blocks, held, ids)
         if got is None:
             return -1
         nh, nc, _ = got

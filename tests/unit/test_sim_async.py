@@ -4,8 +4,12 @@ at the end of step k. The same engine with `async_scheduling=False` is vLLM's sy
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from simulator.engine import Engine, EngineConfig
 from simulator.kernel import Kernel
@@ -178,3 +182,128 @@ def test_with_nothing_else_running_what_a_request_frees_is_used_at_once() -> Non
         b = run.submit("b", 32, 3, start=2000)
         run.kernel.run()
         assert b.scheduled_s == a.finished_s
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.booleans())
+def test_random_workloads_with_aborts_loads_and_resets_end_clean(seed: int, spans: bool) -> None:
+    """Whatever arrives, aborts or loads from the CPU tier, with small `max_num_seqs` and tight KV: every
+    request finishes with its tokens or is aborted, none is scheduled before it arrived or held past the
+    step after next, and the engine ends idle with every block back and its stats at zero."""
+    rng = random.Random(seed)
+    k = Kernel()
+    max_seqs = rng.randint(1, 6)
+    blocks = rng.randint(12, 60)
+    cfg = EngineConfig(
+        num_gpu_blocks=blocks,
+        block_size=rng.choice([4, 8, 16]),
+        max_num_batched_tokens=max(max_seqs, rng.choice([16, 32, 64, 256])),
+        max_num_seqs=max_seqs,
+        cpu_blocks=rng.choice([0, 0, 2 * blocks]),
+        cpu_write_policy=rng.choice(["write-through", "write-back"]),
+    )
+    e = Engine(k, cfg, LAT, spans=spans, on_events=lambda seq, payload, at: None)
+    recs: list[RequestRecord] = []
+    released: dict[int, tuple[int, int]] = {}  # id(record) -> (step in flight at arrival, step released)
+    release = e._release
+
+    def watched(s: int) -> None:
+        before = list(e._held)
+        release(s)
+        kept = {id(r) for _, r in e._held}
+        released.update({id(r.rec): (flight, s) for flight, r in before if id(r) not in kept})
+
+    e._release = watched  # type: ignore[method-assign]
+    families = [list(range(i * 1000, i * 1000 + 200)) for i in range(4)]
+
+    def submit() -> None:
+        prompt = rng.choice(families)[: rng.randint(1, 120)] + [rng.randint(10**5, 10**6) for _ in range(3)]
+        try:
+            rec = e.submit(SimRequest(f"r{len(recs)}", prompt, rng.randint(1, 40)))
+        except ValueError:  # more blocks than the engine holds
+            return
+        recs.append(rec)
+        if rng.random() < 0.3:
+            k.at(k.now() + rng.expovariate(20.0), lambda: e.abort(rec))
+
+    t = 0.0
+    for _ in range(rng.randint(5, 60)):
+        t += rng.expovariate(50.0)
+        k.at(t, submit)
+        if rng.random() < 0.1:
+            k.at(t, e.metrics)
+        if rng.random() < 0.1:
+            k.at(t, e.reset_prefix_cache)
+    k.run()
+    for rec in recs:
+        assert (rec.finished_s is None) != (rec.aborted_s is None), rec.request_id
+        assert rec.scheduled_s is None or rec.scheduled_s >= rec.arrival_s
+        assert rec.finished_s is None or rec.output_tokens == rec.request.max_tokens
+        flight, at = released.get(id(rec), (0, 0))
+        assert at <= flight + 2
+    assert e.idle and not (e._held or e.waiting or e.running or e._loads.holding)
+    assert e.pool.num_used == 0
+    e.pool.check()
+    m = e.metrics()
+    assert (m.waiting, m.running, m.kv_usage) == (0, 0, 0.0)
+    assert e.prefix_cache_hits == sum(r.cached_tokens for r in recs)
+
+
+def arrivals_during(
+    run: Run, steps: dict[str, int], abort_at_end: tuple[int, RequestRecord] | None = None
+) -> dict[str, RequestRecord]:
+    """Step `run` event by event; submit each name while its step runs (32 tokens, 2 outputs), and abort
+    a record at the end of a step (an event at the same time, after the step's end)."""
+    recs: dict[str, RequestRecord] = {}
+    while run.kernel.step():
+        e = run.engine
+        for name, step in steps.items():
+            if name not in recs and e._in_step and e._step == step:
+                recs[name] = run.submit(name, 32, 2, start=1000 * (len(recs) + 1))
+                if abort_at_end is not None and abort_at_end[0] == step:
+                    rec = abort_at_end[1]
+                    run.kernel.at(run.kernel.peek(), lambda rec=rec: run.engine.abort(rec))  # type: ignore[misc]
+    return recs
+
+
+def test_a_held_request_is_scheduled_when_the_only_running_one_is_aborted_as_its_step_ends() -> None:
+    run = Run(True, spans=False, num_gpu_blocks=200, block_size=16)
+    a = run.submit("a", 64, 40)
+    r = arrivals_during(run, {"r": 5}, abort_at_end=(5, a))["r"]
+    assert a.aborted_s is not None and a.finished_s is None
+    assert r.scheduled_s == a.aborted_s and r.finished_s is not None  # nothing runs after the abort
+    assert run.engine.idle and not run.engine._held and run.engine.pool.num_used == 0
+
+
+def test_a_request_due_at_an_empty_engine_fills_the_step_ahead_and_the_next_arrival_waits() -> None:
+    """`a` ends with step 5; `w` arrived during step 4 (due at step 6), `r` during step 5: vLLM's step 6,
+    scheduled while 5 ran, holds `w`, so `r` goes a step later, not with it."""
+    run = Run(True, spans=False, num_gpu_blocks=200, block_size=16)
+    a = run.submit("a", 64, 6)  # its prefill, then five decode steps
+    recs = arrivals_during(run, {"w": 4, "r": 5})
+    w, r = recs["w"], recs["r"]
+    assert w.scheduled_s == a.finished_s
+    assert r.scheduled_s is not None and w.scheduled_s is not None and r.scheduled_s > w.scheduled_s
+
+
+def test_the_blocks_a_finished_request_freed_that_the_admitted_one_hits_are_not_held_back_twice() -> None:
+    """`b` extends `a`'s prompt and is released as `a` ends: vLLM scheduled that step while `a` held its
+    blocks, so `b`'s hits on them took nothing from the free queue; only the rest of what `a` freed is
+    held back, and `b` fits at once (with its 4 blocks cached)."""
+    run = Run(True, spans=False, num_gpu_blocks=24, block_size=16)
+    prompt = list(range(64))
+    a = run.engine.submit(SimRequest("a", prompt, 3))  # 4 prompt blocks, a fifth for its outputs
+    run.submit("c", 200, 40, start=1000)  # 15 blocks by its end: the KV stays tight
+    b: list[RequestRecord] = []
+    e = run.engine
+    while run.kernel.step():
+        if (
+            not b
+            and e._in_step
+            and any(r.rec is a for r in e.running.values())
+            and e._decodes._ends.get(e._step + 1)
+        ):
+            b.append(
+                e.submit(SimRequest("b", prompt + list(range(5000, 5048)), 1))
+            )  # a ends with the next step
+    assert b[0].scheduled_s == a.finished_s and b[0].cached_tokens == 64
