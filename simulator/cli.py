@@ -41,7 +41,7 @@ from tqdm import tqdm
 from simulator import policies, report
 from simulator.cluster import MIN_SCRAPE_INTERVAL, ClusterConfig
 from simulator.engine import EngineConfig
-from simulator.engine_config import CPU_WRITE_POLICIES
+from simulator.engine_config import add_scheduling_flags
 from simulator.engine_replay import EngineReplayError, engine_replay
 from simulator.latency import DEFAULT_PROFILE, PROFILES
 from simulator.latency_file import load_latency_profile
@@ -123,14 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="GB/s from the CPU tier back to the GPU (default: the latency profile's)",
     )
     r.add_argument(
-        "--cpu-write-policy",
-        choices=CPU_WRITE_POLICIES,
-        default="write-through",
-        help="when a block reaches the CPU tier: write-through (as it is computed: vLLM's "
-        "OffloadingConnector, SGLang HiCache's default) or write-back (when the GPU evicts it) "
-        "(default %(default)s)",
-    )
-    r.add_argument(
         "--max-num-batched-tokens", type=_positive(int), default=8192, help="token budget of an engine step"
     )
     r.add_argument(
@@ -139,13 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="requests running at most (vLLM's default for its server on an H100-class GPU)",
     )
-    r.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="vLLM's engine core schedules a step while the one before runs (vLLM's default): a request "
-        "arriving mid-step joins a step later; --no-async-scheduling: the synchronous core",
-    )
+    add_scheduling_flags(r)
     r.add_argument(
         "--latency-profile",
         default=DEFAULT_PROFILE,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Final
 
@@ -45,3 +46,23 @@ class EngineConfig:
             raise ValueError(f"cpu_write_policy must be one of {choices}, got {self.cpu_write_policy!r}")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every decode takes a token)")
+
+
+def add_scheduling_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--async-scheduling` / `--no-async-scheduling` and `--cpu-write-policy`, as `epp-sim replay` and
+    `epp-sim serve-engine` take them."""
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's engine core schedules a step while the one before runs (vLLM's default): a request "
+        "arriving mid-step joins a step later; --no-async-scheduling: the synchronous core",
+    )
+    parser.add_argument(
+        "--cpu-write-policy",
+        choices=CPU_WRITE_POLICIES,
+        default="write-through",
+        help="when a block reaches the CPU tier: write-through (as it is computed: vLLM's "
+        "OffloadingConnector, SGLang HiCache's default) or write-back (when the GPU evicts it) "
+        "(default %(default)s)",
+    )

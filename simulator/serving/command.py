@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator.engine import EngineConfig
-from simulator.engine_config import CPU_WRITE_POLICIES
+from simulator.engine_config import add_scheduling_flags
 from simulator.latency import DEFAULT_PROFILE, PROFILES
 from simulator.latency_file import load_latency_profile
 from simulator.serving.config import KV_EVENTS_MODES, EngineServerConfig
@@ -65,23 +65,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=_number(int, 1), default=16, help="tokens per KV block")
     e.add_argument("--max-num-batched-tokens", type=_number(int, 1), default=8192)
     e.add_argument("--max-num-seqs", type=_number(int, 1), default=1024)
-    e.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="vLLM's engine core schedules a step while the one before runs (vLLM's default): a request "
-        "arriving mid-step joins a step later; --no-async-scheduling: the synchronous core",
-    )
+    add_scheduling_flags(e)
     e.add_argument(
         "--cpu-blocks", type=_number(int, 0), default=0, help="CPU offload tier in blocks (0: none)"
-    )
-    e.add_argument(
-        "--cpu-write-policy",
-        choices=CPU_WRITE_POLICIES,
-        default="write-through",
-        help="when a block reaches the CPU tier: write-through (as it is computed: vLLM's "
-        "OffloadingConnector, SGLang HiCache's default) or write-back (when the GPU evicts it) "
-        "(default %(default)s)",
     )
     e.add_argument(
         "--latency-profile",
