@@ -20,11 +20,11 @@ splits its `Scheduler` and its `KVCacheManager`. Scheduling, per step (one forwa
 A request submitted while a step runs joins the queue the scheduler sees when the next step is
 scheduled, as vLLM's engine core takes in new requests between steps. With async scheduling (vLLM's
 default, `EngineConfig.async_scheduling`) vLLM scheduled that next step already, while this one ran: the
-request reaches the scheduler a step later (`_held`, `_release`), unless nothing else runs then (vLLM's
-step scheduled ahead was empty); what the requests that end with a step free (blocks, running slots) is
-admitted into a step later (`_freed`, `Scheduler.held_back`), vLLM having scheduled the next step while
-they still held it; and a step scheduled while another ran sends its KV events and its stats when that
-one ends (`_scheduled`), as vLLM's `update_from_output` does (docs/simulator.md).
+request reaches the scheduler a step later, unless nothing else runs then (vLLM's step scheduled ahead
+was empty); what the requests that end with a step free (blocks, running slots) is admitted into a step
+later, vLLM having scheduled the next step while they still held it (`step_ahead.py`); and a step
+scheduled while another ran sends its KV events and its stats when that one ends (`_scheduled`), as
+vLLM's `update_from_output` does (docs/simulator.md).
 A request needing more blocks than the engine holds is refused at `submit`. A request's first output
 token comes at the end of the step that completes its prefill; it finishes after `max_tokens`, and its
 blocks are then freed in reverse order.
@@ -70,6 +70,7 @@ from simulator.records import (
     fed_tokens,
 )
 from simulator.scheduler import NOTHING_HELD, Scheduler
+from simulator.step_ahead import StepAhead
 from simulator.step_stats import StepStats
 
 __all__ = ["Engine", "EngineConfig"]
@@ -129,12 +130,8 @@ class Engine:
         self._span_stats = False  # the span's first step's end has not been taken into `stats` yet
         self._aborts: list[ReqState] = []  # running requests aborted, leaving at the next step end or start
         self._arrivals: list[ReqState] = []  # waiting, submitted since the current step was scheduled
-        self._async = cfg.async_scheduling
-        self._held: list[tuple[int, ReqState]] = []  # async: (step in flight at submission, request), unseen
+        self._ahead = StepAhead() if cfg.async_scheduling else None
         self._in_step = False  # a step (or a span) is scheduled and its end has not come
-        self._pipelined = False  # async: the step being scheduled follows one that ran (scheduled then)
-        self._freed = (0, 0)  # async: (blocks, running slots) that the requests ending with a step freed
-        self._freed_ids: set[int] = set()  # async: the blocks they held
         self._states: dict[int, ReqState] = {}  # id(record) -> its state, until it finishes or leaves
         self._busy = False
         self.steps = 0
@@ -176,10 +173,10 @@ class Engine:
         rec = RequestRecord(request, n, self.kernel.now())
         state = self.kv.new_request(rec, tokens)
         self._states[id(rec)] = state
-        if self._async and self._in_step:  # the step after this one is scheduled already
+        if self._ahead is not None and self._in_step:  # the step after this one is scheduled already
             span = self._span
             flight = self._step if span is None else span[0] + bisect_left(span[1], self.kernel.now())
-            self._held.append((flight, state))
+            self._ahead.hold(flight, state)
             if span is not None:
                 self._cut_span(1)
             return rec
@@ -205,9 +202,7 @@ class Engine:
         if r is None or r.rec is not rec:
             return False
         rec.aborted_s = self.kernel.now()
-        held = next((i for i, (_, h) in enumerate(self._held) if h is r), None)
-        if held is not None:
-            del self._held[held]
+        if self._ahead is not None and self._ahead.drop(r):
             r.phase = DONE
             return True
         if r.phase == WAITING:
@@ -228,8 +223,8 @@ class Engine:
         for them is dropped), or before step s is scheduled when they were aborted between steps."""
         prefill = False
         for v in self._aborts:
-            if self._async:
-                self._freed_ids.update(v.table[: v.nblocks].tolist())
+            if self._ahead is not None:
+                self._ahead.freeing(v)
             if v.phase == LOADING or v.phase == LOADED:
                 self._loads.leave(v)
             else:
@@ -245,22 +240,24 @@ class Engine:
     def _start_step(self) -> None:
         s = self._step
         self._arrivals.clear()  # (the engine core took them in: the scheduler sees them now)
-        pipelined = self._pipelined
-        self._pipelined = False
+        ahead = self._ahead
+        pipelined = ahead is not None and ahead.pipelined
+        if pipelined:
+            ahead.pipelined = False  # type: ignore[union-attr]
         holding = self._loads.holding
         if holding:
             self._loads.ended()
         if self._aborts:
             self._leave(s)
-        if self._held:  # (after the aborted ones left: they no longer run)
-            self._release(s)
+        if ahead is not None and ahead.held:  # (after the aborted ones left: they no longer run)
+            self.waiting.extend(ahead.release(s, bool(self.running or self.waiting)))
         sched = self._sched
         sched.preempted = False
         dec = self._decodes
         dec.start(s, self._grow)
         if sched.prefilling or self.waiting or holding:
             if pipelined and self.running:  # (nothing runs: vLLM's step ahead was empty)
-                sched.held_back = (*self._freed, self._freed_ids)
+                sched.held_back = ahead.held_back()  # type: ignore[union-attr]
             chunks, starts, tokens, pairs = sched.schedule(s, self.kernel.now())
             sched.held_back = NOTHING_HELD
             if not chunks and not dec.n:
@@ -280,7 +277,7 @@ class Engine:
                 and self._spans
                 and bounds[0] > s
                 and (self.sink is None or not self.sink.events)
-                and not self._held
+                and not (ahead is not None and ahead.held)
             ):
                 self._start_span(s, bounds[0])
                 return
@@ -292,22 +289,6 @@ class Engine:
         self.steps += 1
         self._in_step = True
         self.kernel.schedule(dt, self._end_step)
-
-    def _release(self, s: int) -> None:
-        """Async scheduling: the requests submitted while step s - 2 (or before) ran reach the scheduler at
-        step s, vLLM having scheduled step s - 1 while s - 2 ran; all of them when nothing runs or waits
-        (while CPU-tier loads run too), as vLLM's pipeline then holds an empty step and schedules the next
-        one at once."""
-        held = self._held
-        keep = [h for h in held if h[0] + 2 > s]
-        if len(keep) == len(held) and (self.running or self.waiting):
-            return
-        if not (self.running or self.waiting) and len(keep) == len(held):
-            keep = []  # nothing runs, waits or is due: vLLM's step scheduled ahead is empty
-        for flight, r in held:
-            if flight + 2 <= s or not keep:
-                self.waiting.append(r)
-        self._held = keep
 
     def _scheduled(self) -> None:
         """Async scheduling: vLLM scheduled this step while the one before ran, and sent the step's KV
@@ -328,9 +309,8 @@ class Engine:
             self.kernel.schedule(0.0, self._start_step)  # everything running was preempted: admit afresh
         elif holding:
             self._loads.await_first()
-        elif self._held:  # (a backstop: `_release` lets them in when nothing runs or waits)
-            self.waiting.extend(r for _, r in self._held)
-            self._held = []
+        elif self._ahead is not None and self._ahead.held:  # (a backstop: released when nothing runs)
+            self.waiting.extend(self._ahead.release_all())
             self.kernel.schedule(0.0, self._start_step)
         else:
             self._busy = False
@@ -376,8 +356,9 @@ class Engine:
         self._in_step = False
         s = self._step
         free0, running0 = self.pool.num_free, len(self.running)
-        if self._freed_ids:
-            self._freed_ids = set()
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.step_ends()
         if self._aborts:
             self._leave(s)
         self._step = s + 1
@@ -393,8 +374,8 @@ class Engine:
             if done is None:
                 done = []
             self._end_prefills(s, now, done)
-        if self._async:
-            self._freed = (max(self.pool.num_free - free0, 0), max(running0 - len(self.running), 0))
+        if ahead is not None:
+            ahead.freed(self.pool.num_free - free0, running0 - len(self.running))
         sink = self.sink
         if sink is not None and sink.dirty:
             sink.flush(now)
@@ -403,10 +384,11 @@ class Engine:
             for callback, rec in done:
                 if callback is not None:
                     callback(rec, now)
-        if not (self.waiting or self.running or self._loads.holding or self._held):
+        if not (self.waiting or self.running or self._loads.holding or (ahead is not None and ahead.held)):
             self._busy = False
             return
-        self._pipelined = self._async
+        if ahead is not None:
+            ahead.pipelined = True
         if self.kernel.peek() > now:
             self._start_step()  # nothing else happens at `now`: the same as scheduling it
         else:
@@ -439,8 +421,8 @@ class Engine:
         r.phase = DONE
         self._states.pop(id(r.rec), None)
         del self.running[r.order]
-        if self._async:
-            self._freed_ids.update(r.table[: r.nblocks].tolist())
+        if self._ahead is not None:
+            self._ahead.freeing(r)
         self.kv.free(r)
         rec = r.rec
         rec.finished_s = now

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from simulator.engine import Engine, EngineConfig
 from simulator.kernel import Kernel
+from simulator.kvcache import ReqState
 from simulator.latency import PROFILES
 from simulator.records import RequestRecord, SimRequest
+from simulator.step_ahead import StepAhead
 
 LAT = PROFILES["llama-3.1-8b-h100"]
 
@@ -184,6 +186,22 @@ def test_with_nothing_else_running_what_a_request_frees_is_used_at_once() -> Non
         assert b.scheduled_s == a.finished_s
 
 
+class Watched(StepAhead):
+    """Notes for each released request the step it was held in and the step it was released at."""
+
+    __slots__ = ("released",)
+
+    def __init__(self, released: dict[int, tuple[int, int]]) -> None:
+        super().__init__()
+        self.released = released
+
+    def release(self, s: int, busy: bool) -> list[ReqState]:
+        flights = {id(r): flight for flight, r in self.held}
+        out = super().release(s, busy)
+        self.released.update({id(r.rec): (flights[id(r)], s) for r in out})
+        return out
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**32 - 1), st.booleans())
 def test_random_workloads_with_aborts_loads_and_resets_end_clean(seed: int, spans: bool) -> None:
@@ -205,15 +223,7 @@ def test_random_workloads_with_aborts_loads_and_resets_end_clean(seed: int, span
     e = Engine(k, cfg, LAT, spans=spans, on_events=lambda seq, payload, at: None)
     recs: list[RequestRecord] = []
     released: dict[int, tuple[int, int]] = {}  # id(record) -> (step in flight at arrival, step released)
-    release = e._release
-
-    def watched(s: int) -> None:
-        before = list(e._held)
-        release(s)
-        kept = {id(r) for _, r in e._held}
-        released.update({id(r.rec): (flight, s) for flight, r in before if id(r) not in kept})
-
-    e._release = watched  # type: ignore[method-assign]
+    ahead = e._ahead = Watched(released)
     families = [list(range(i * 1000, i * 1000 + 200)) for i in range(4)]
 
     def submit() -> None:
@@ -241,7 +251,7 @@ def test_random_workloads_with_aborts_loads_and_resets_end_clean(seed: int, span
         assert rec.finished_s is None or rec.output_tokens == rec.request.max_tokens
         flight, at = released.get(id(rec), (0, 0))
         assert at <= flight + 2
-    assert e.idle and not (e._held or e.waiting or e.running or e._loads.holding)
+    assert e.idle and not (ahead.held or e.waiting or e.running or e._loads.holding)
     assert e.pool.num_used == 0
     e.pool.check()
     m = e.metrics()
@@ -272,7 +282,8 @@ def test_a_held_request_is_scheduled_when_the_only_running_one_is_aborted_as_its
     r = arrivals_during(run, {"r": 5}, abort_at_end=(5, a))["r"]
     assert a.aborted_s is not None and a.finished_s is None
     assert r.scheduled_s == a.aborted_s and r.finished_s is not None  # nothing runs after the abort
-    assert run.engine.idle and not run.engine._held and run.engine.pool.num_used == 0
+    assert run.engine.idle and run.engine.pool.num_used == 0
+    assert run.engine._ahead is not None and not run.engine._ahead.held
 
 
 def test_a_request_due_at_an_empty_engine_fills_the_step_ahead_and_the_next_arrival_waits() -> None:
