@@ -241,9 +241,9 @@ class Engine:
         s = self._step
         self._arrivals.clear()  # (the engine core took them in: the scheduler sees them now)
         ahead = self._ahead
-        pipelined = ahead is not None and ahead.pipelined
-        if pipelined:
-            ahead.pipelined = False  # type: ignore[union-attr]
+        pipelined = False
+        if ahead is not None:
+            pipelined, ahead.pipelined = ahead.pipelined, False
         holding = self._loads.holding
         if holding:
             self._loads.ended()
@@ -256,8 +256,8 @@ class Engine:
         dec = self._decodes
         dec.start(s, self._grow)
         if sched.prefilling or self.waiting or holding:
-            if pipelined and self.running:  # (nothing runs: vLLM's step ahead was empty)
-                sched.held_back = ahead.held_back()  # type: ignore[union-attr]
+            if pipelined and self.running and ahead is not None:  # (nothing runs: its step ahead was empty)
+                sched.held_back = ahead.held_back()
             chunks, starts, tokens, pairs = sched.schedule(s, self.kernel.now())
             sched.held_back = NOTHING_HELD
             if not chunks and not dec.n:
