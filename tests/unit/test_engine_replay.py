@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import pathlib
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulator import engine_replay as engine_replay_module
 from simulator import request_lines
 from simulator.cli import main
+from simulator.engine import EngineConfig
 from simulator.engine_replay import (
     EngineReplayError,
     _tokens_exact,
@@ -154,6 +157,25 @@ def test_the_pure_function_matches_the_command(tmp_path: pathlib.Path) -> None:
     assert [json.loads(x) for x in res.splitlines()] == results
     assert ev is not None and [json.loads(x) for x in ev.splitlines()] == events
     assert engine_replay(text, 12, 4) == (res, None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 90), st.integers(1, 20)), min_size=1, max_size=25)
+)
+def test_async_scheduling_changes_nothing_one_request_at_a_time(rows: list[tuple[int, int, int]]) -> None:
+    """The command runs the synchronous engine core: each request reaches an idle engine, so vLLM's async
+    scheduling would give every request the same hit and every event in the same order."""
+    text = "\n".join(json.dumps(req([f * 100 + j for j in range(n)], m)) for f, n, m in rows)
+    reqs = parse_requests(text.encode(), 40, 4)  # (room for the longest: 90 + 20 tokens)
+    sync = run(reqs, 40, 4, events=True)
+
+    def asynchronous_config(**kw: Any) -> EngineConfig:
+        return EngineConfig(**{**kw, "async_scheduling": True})
+
+    with mock.patch.object(engine_replay_module, "EngineConfig", asynchronous_config):
+        asynchronous = run(reqs, 40, 4, events=True)
+    assert asynchronous.results == sync.results and asynchronous.events == sync.events
 
 
 # -- parsing ---------------------------------------------------------------------------------------------
