@@ -27,19 +27,8 @@ What "as the engine would" means here (vLLM 0.32 with a fast Hugging Face tokeni
   the detected one, its kwargs are merged under the request's (`chat_inputs.template_inputs`).
 - A rendered chat longer than `max_chars` is not encoded (`PromptTooLong`): a template can render a small
   body to megabytes (tool schemas under `tojson(indent=4)`).
-- What vLLM computes another way is not guessed at (`NotReproduced`, with the unkeyed reason to report):
-  a gpt-oss model's chats (config.json's `model_type` "gpt_oss"), which vLLM renders with Harmony
-  (`openai_harmony`), never with the Jinja template (`OnlineRenderer.use_harmony`,
-  `vllm/renderers/online_renderer.py`, for chat completions and Responses); its completions' text prompts
-  are encoded as usual (`render_completion` does not use Harmony), and so are embeddings' chats (the
-  pooling path renders the template). And every text and chat prompt of a model whose vLLM runs
-  `mistral_common`'s tokenizer (`MISTRAL_TOKENIZER`): `--tokenizer-mode mistral`, or `auto` (vLLM's
-  default) with Mistral's files in the directory (`tokenizer_files.mistral_files`), unless the server
-  settings say `hf`; token-id prompts are keyed as given.
-- `truncate_prompt_tokens` (`TokenizeParams`, `vllm/renderers/params.py`): N >= 0 keeps what vLLM keeps
-  (`_truncate`: the tokenizer's own truncation of a text prompt, special tokens kept, then the cut to N ids,
-  from the request's `truncation_side` or the model's: "left" for completions and chats, "right" for
-  embeddings); -1 (the model's length, unknown here) is `PROMPT_TRUNCATION`.
+- What vLLM computes another way is not guessed at, and `truncate_prompt_tokens` is applied as vLLM
+  applies it: `prompt_rules.py`.
 
 Speed: repeated long prefixes are not tokenized again. `prefix_cache.py` keeps the ids of text chunks
 cut at stable boundaries (which cuts are stable for which pipelines, checked at load time:
@@ -56,21 +45,29 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from epp.kvindex.chat_inputs import NotTextContent, template_tokenizes, uses_tools
 from epp.kvindex.chat_template import ChatTemplate, ChatTemplateError
 from epp.kvindex.prefix_cache import TOKEN_DTYPE, Chunker, PrefixCache, TokenIds
+from epp.kvindex.prompt_rules import (
+    HARMONY,
+    MISTRAL_TOKENIZER,
+    PROMPT_TRUNCATION,
+    NotReproduced,
+    mistral_tokenizer_reason,
+    truncate_encoded,
+    truncated,
+    unkeyed_reason,
+)
 from epp.kvindex.server_chat import ServerChatSettings, TokenizerSpec
 from epp.kvindex.stable_cuts import special_affixes, stable_chunker
 from epp.kvindex.tokenizer_files import (
     TokenizerError,
     configure,
-    mistral_files,
     processor_template,
     read_config,
     read_json,
@@ -92,6 +89,7 @@ __all__ = [
     "TokenizerError",
     "TokenizerRegistry",
     "TokenizerSpec",
+    "truncated",
 ]
 
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
@@ -110,35 +108,6 @@ class PromptTooLong(TokenizerError):
 
 class MultimodalPrompt(TokenizerError):
     """A message has a part that is not text (an image, audio...): the prompt's ids cannot be known here."""
-
-
-HARMONY = "harmony"  # a gpt-oss chat: vLLM renders it with Harmony, not the chat template
-MISTRAL_TOKENIZER = "mistral_tokenizer"  # vLLM tokenizes and renders with mistral_common, not transformers
-# a `truncate_prompt_tokens` the EPP cannot apply as vLLM does: -1 (the model's length, unknown here), or a
-# text prompt encoded with special tokens that are not a fixed prefix/suffix
-PROMPT_TRUNCATION = "prompt_truncation"
-
-
-_Ids = TypeVar("_Ids", list[int], TokenIds, npt.NDArray[Any])
-
-
-def truncated(ids: _Ids, count: int, side: str) -> _Ids:
-    """vLLM's `TokenizeParams._token_truncation`: the last `count` ids ("left" truncation drops the first
-    ones) or the first `count` ("right"); all of them when there are no more than `count`."""
-    if count >= len(ids):
-        return ids
-    if count == 0:
-        return ids[:0]
-    return ids[-count:] if side == "left" else ids[:count]
-
-
-class NotReproduced(TokenizerError):
-    """vLLM computes this request's prompt ids in a way the EPP does not reproduce: keying it with the ids
-    computed here would give keys no engine holds. `reason` is the unkeyed reason to report."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class PromptTokenizer:
@@ -267,7 +236,7 @@ class PromptTokenizer:
             processor_chat_template=None if processor is None else (processor, processor_origin),
             server_chat_template=server_chat_template,
             server=server,
-            mistral_tokenizer=_mistral_tokenizer(root, server.tokenizer_mode),
+            mistral_tokenizer=mistral_tokenizer_reason(root, server.tokenizer_mode),
         )
 
     def _encode_body(self, text: str) -> list[int]:
@@ -413,42 +382,12 @@ class PromptTokenizer:
         return self.encode_text(text, add_special_tokens=add)
 
     def unkeyed_reason(self, request: InferenceRequest) -> str | None:
-        """Why vLLM's prompt ids for this request cannot be computed here (the reason to report), or None.
-        A gpt-oss chat (`HARMONY`): vLLM renders chat completions and Responses requests with Harmony; the
-        ids of the Jinja template's text would be wrong, not merely unknown. Any text or chat prompt of a
-        model vLLM tokenizes with `mistral_common` (`MISTRAL_TOKENIZER`)."""
-        if self.mistral_tokenizer is not None and (
-            request.messages is not None or isinstance(request.prompt, str)
-        ):
-            return MISTRAL_TOKENIZER
-        if self.harmony and request.messages is not None and request.api_kind is not ApiKind.EMBEDDINGS:
-            return HARMONY
-        if request.truncate_prompt_tokens == -1 and (
-            request.messages is not None or request.prompt is not None
-        ):
-            return PROMPT_TRUNCATION
-        return None
+        """Why vLLM's prompt ids for this request cannot be computed here, or None (`prompt_rules`)."""
+        return unkeyed_reason(request, mistral=self.mistral_tokenizer is not None, harmony=self.harmony)
 
     def _truncate(self, ids: TokenIds, request: InferenceRequest, *, special: bool) -> TokenIds:
-        """The ids vLLM keeps of a text or chat prompt encoded as `ids` (`special`: with special tokens) when
-        the request sets `truncate_prompt_tokens` (>= 0). vLLM encodes with the tokenizer's truncation
-        (`TokenizeParams.get_encode_kwargs`: `truncation=True, max_length=N`), whose budget leaves room for
-        the tokens the post-processor adds (the prompt's own tokens are cut, the bos and eos stay; a budget
-        smaller than they are cuts nothing), then cuts the ids to N (`_token_truncation`)."""
-        count, side = request.truncate_prompt_tokens, request.kept_side
-        if count is None or count >= len(ids):
-            return ids
-        if special:
-            if self._affixes is None:
-                raise NotReproduced(
-                    PROMPT_TRUNCATION,
-                    f"{self.name}: truncate_prompt_tokens, and the special tokens are no fixed prefix/suffix",
-                )
-            head, tail = len(self._affixes[0]), len(self._affixes[1])
-            if head + tail and count >= head + tail:
-                body = truncated(ids[head : len(ids) - tail], count - head - tail, side)
-                ids = np.concatenate([ids[:head], body, ids[len(ids) - tail :]])
-        return truncated(ids, count, side)
+        """The ids vLLM keeps of this text or chat prompt (`prompt_rules.truncate_encoded`)."""
+        return truncate_encoded(ids, request, self._affixes, self.name, special=special)
 
     def encode_request(self, request: InferenceRequest, *, max_chars: int | None = None) -> TokenIds | None:
         """The prompt ids of a parsed request (chat messages with its chat options, else the completions
@@ -491,19 +430,6 @@ class PromptTokenizer:
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
-
-
-def _mistral_tokenizer(root: Path, mode: str) -> str | None:
-    """Why vLLM runs `mistral_common`'s tokenizer for the model of this directory with this
-    `--tokenizer-mode`, or None (Transformers', which the EPP reproduces)."""
-    if mode == "mistral":
-        return "tokenizerMode: mistral"
-    if mode != "auto":
-        return None
-    found = mistral_files(root)
-    if not found:
-        return None
-    return f"{', '.join(found)} in the directory (vLLM's --tokenizer-mode auto; set tokenizerMode: hf if not)"
 
 
 class TokenizerRegistry:
