@@ -189,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-events-port", type=_port, help="per-pod: the engines' publisher port (default 5557)")
     s.add_argument("--kv-events-bind", help="central: where to bind, e.g. tcp://*:5557")
     s.add_argument(
+        "--kv-events-verify-peer",
+        type=flag_bool,
+        nargs="?",
+        const=True,
+        default=None,
+        help="central: drop messages whose topic names another host than the publisher connected from "
+        "(default: the config's kvEvents.verifyPeer, else false)",
+    )
+    s.add_argument(
         "--kv-events-replay-port",
         type=_port,
         help="the engines' replay (ROUTER) port, in both modes (+ dp rank)",
@@ -243,6 +252,7 @@ def _load(args: argparse.Namespace) -> EppConfig:
         ("kv_events_port", "port"),
         ("kv_events_bind", "bind"),
         ("kv_events_replay_port", "replay_port"),
+        ("kv_events_verify_peer", "verify_peer"),
     ):
         value = getattr(args, flag)
         if value is not None:

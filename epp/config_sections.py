@@ -147,6 +147,7 @@ class KvEventsEntry(_Struct):
     replay_timeout: str | float = "2s"
     replay_retries: int = 2
     receive_high_water_mark: int = 100_000
+    verify_peer: bool = False
 
 
 class IndexEntry(_Struct):
@@ -202,6 +203,7 @@ class KvEventsConfig:
     replay_retries: int = 2
     rcvhwm: int = 100_000
     sync_interval: float = 0.5
+    verify_peer: bool = False  # central: a topic must name the host the publisher connected from
 
     def check(self) -> tuple[str, str] | None:
         """(field, message) of the first invalid setting, or None."""
@@ -225,6 +227,11 @@ class KvEventsConfig:
             return "receiveHighWaterMark", f"must be in 1..2147483647, got {self.rcvhwm}"
         if self.mode == "central" and not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             return "bind", f"must be a ZeroMQ endpoint such as tcp://*:5557, got {self.bind!r}"
+        if self.mode == "central" and self.verify_peer and not self.bind.startswith("tcp://"):
+            return (
+                "verifyPeer",
+                f"needs a tcp:// bind (ipc and inproc connections have no peer address), got {self.bind!r}",
+            )
         return None
 
 
@@ -354,6 +361,7 @@ def kv_events_config(source: str, e: KvEventsEntry) -> KvEventsConfig:
         timeout,
         e.replay_retries,
         e.receive_high_water_mark,
+        verify_peer=e.verify_peer,
     )
     problem = kv.check()
     if problem is not None:

@@ -35,6 +35,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -55,7 +57,7 @@ from epp.sources.kv_socket import (
     sub_socket,
     watch_session,
 )
-from epp.sources.kv_topics import FOREIGN, OWN, TOPIC_CACHE, PoolHosts, endpoint_url, parse_topic
+from epp.sources.kv_topics import FOREIGN, OWN, TOPIC_CACHE, PoolHosts, endpoint_url, is_host_of, parse_topic
 
 log = logging.getLogger("epp.kv_events")
 
@@ -208,11 +210,17 @@ class KvEventSubscriber:
 
     # -- receiving ---------------------------------------------------------------------
     async def _recv_loop(self, sock: zmq.asyncio.Socket, pod: str | None, rank: int) -> None:
-        recv = sock.recv_multipart
         # The same socket without futures: once a message has arrived, what else is queued is drained
         # with plain non-blocking receives (about a third of the cost of awaiting each one).
-        drain = zmq.Socket.shadow(sock.underlying).recv_multipart
-        handle = self.handle
+        shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        recv: Callable[[], Any]
+        drain: Callable[[int], Any]
+        handle: Callable[[Any, str | None, int], None]
+        if pod is None and self.settings.verify_peer:  # (frames, not bytes: they carry the peer)
+            recv, drain = partial(sock.recv_multipart, copy=False), partial(shadow.recv_multipart, copy=False)
+            handle = self._handle_frames
+        else:
+            recv, drain, handle = sock.recv_multipart, shadow.recv_multipart, self.handle
         flush = self.ingest.index.flush
         handled = 0  # since the loop last yielded: awaiting a message already queued does not yield
         frames = await recv()
@@ -240,7 +248,18 @@ class KvEventSubscriber:
                 log.exception("kv events: unexpected error flushing the index after %s", pod or "central")
             frames = await recv()
 
-    def handle(self, frames: list[bytes], pod: str | None, rank: int) -> None:
+    def _handle_frames(self, frames: list[Any], pod: str | None, rank: int) -> None:
+        """`handle` for a central socket with `verify_peer`: `frames` are `zmq.Frame`s, whose `Peer-Address`
+        is checked against the pod the topic names."""
+        try:
+            peer = frames[0].get("Peer-Address") if frames else ""
+        except zmq.ZMQError:  # (not a TCP connection)
+            peer = ""
+        self.handle([f.bytes for f in frames], pod, rank, str(peer))
+
+    def handle(self, frames: list[bytes], pod: str | None, rank: int, peer: str | None = None) -> None:
+        """One message from `pod`'s socket (None: the central one, the pod from its topic). `peer`: the
+        address it came from, when the topic must name that host (central mode's `verify_peer`)."""
         now = self.clock.now()
         if len(frames) != 3:
             self._drop(pod or UNKNOWN_POD, "frame_count", now, f"{len(frames)} frames, expected 3")
@@ -265,6 +284,12 @@ class KvEventSubscriber:
             if pod is None:
                 topic = topic_b.decode()
                 self._drop(UNKNOWN_POD, "unknown_pod", now, f"topic {topic!r} names no endpoint of the pool")
+                return
+            if peer is not None and not is_host_of(peer, pod):
+                topic = topic_b.decode()
+                seen = f"from {peer}" if peer else "without a peer address"
+                detail = f"topic {topic!r} names {pod}, but the publisher connected {seen} (verifyPeer)"
+                self._drop(pod, "peer_mismatch", now, detail)
                 return
         elif self.datastore.get(pod) is None:
             return  # the pod left while this message was queued

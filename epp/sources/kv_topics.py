@@ -5,11 +5,13 @@ names the pod; in per-pod mode the socket does, and the topic only matters when 
 endpoint: several endpoints on one IP (an InferencePool with several target ports) each subscribe
 to the IP's publishers, so a topic naming another of them is that one's (skipped), while one naming
 an endpoint or host of the pool elsewhere is a misconfigured publisher (`FOREIGN`: dropped and
-counted, credited to neither).
+counted, credited to neither). In central mode with `verifyPeer`, the topic must also name the host the
+publisher connected from (`is_host_of`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Final
 
@@ -37,6 +39,24 @@ def host_of(where: str) -> str:
     if where.count(":") == 1:
         return where.partition(":")[0]
     return where
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(text.partition("%")[0])  # (without an IPv6 zone)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_host_of(peer: str, pod: str) -> bool:
+    """Whether a connection's peer address (ZeroMQ's `Peer-Address`: IPv4, IPv6, or IPv4-mapped IPv6 on a
+    dual-stack socket) is the host of endpoint `pod` (`ip:port`, `[v6]:port`). A pod named by anything
+    but an IP address is no peer's host."""
+    a = _ip(peer)
+    return a is not None and a == _ip(split_host(pod))
 
 
 def parse_topic(topic: str) -> tuple[str | None, str | None]:

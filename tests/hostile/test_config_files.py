@@ -300,6 +300,8 @@ def test_long_durations_are_read_in_linear_time(section: str, field: str, value:
         ("kvEvents: {dpRanks: 1000000000}", "dpRanks"),
         ("kvEvents: {port: 65000, dpRanks: 1000}", "dpRanks"),
         ("kvEvents: {replayPort: 65535, dpRanks: 2}", "dpRanks"),
+        ("kvEvents: {mode: central, bind: 'ipc:///tmp/kv', verifyPeer: true}", "verifyPeer"),
+        ("kvEvents: {verifyPeer: maybe}", "verifyPeer"),
         ("index: {blockSize: 100000000000000000}", "blockSize"),
         ("1: 2", "(a key)"),
         ("tokenizers: {1: x}", "(a key)"),

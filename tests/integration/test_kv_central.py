@@ -14,10 +14,10 @@ from epp.config import KvEventsConfig
 from epp.kvindex.freshness import Freshness
 from epp.kvindex.keys import block_keys, root_key
 from epp.testing.envoy import free_port
-from epp.testing.kv_publisher import KvEventPublisher, removed, stored
+from epp.testing.kv_publisher import KvEventPublisher, cleared, removed, stored
 from epp.testing.wait import eventually
 
-from .test_kv_subscriber import BS, POD_A, Rig, joined, rig, tokens
+from .test_kv_subscriber import BS, POD_A, POD_B, Rig, joined, rig, tokens
 
 POD_HOST = POD_A.rpartition(":")[0]  # where the engine's replay ROUTER listens
 
@@ -174,3 +174,44 @@ async def test_central_gap_without_replay_makes_the_pod_stale_and_forgets_its_bl
         await a.publish([stored([10], 9, tokens(1, 916))])  # later in-order events are indexed
         await eventually(lambda: held(r, tokens(2, 900)) == 2, "indexed after the gap")
         assert r.state(POD_A) == (Freshness.STALE, "unrecovered_gap")  # until `recovery` has passed
+
+
+@pytest.mark.parametrize("bind_host", ["127.0.0.1", "*"])  # "*": dual stack, IPv4-mapped peer addresses
+async def test_verify_peer_lets_a_publisher_speak_only_for_the_pod_on_its_own_host(bind_host: str) -> None:
+    port = free_port()
+    settings = KvEventsConfig(
+        mode="central", bind=f"tcp://{bind_host}:{port}", sync_interval=0.05, verify_peer=True
+    )
+    own = f"tcp://{POD_HOST}:0;127.0.0.1:{port}"  # (source address: connecting from the pod's IP)
+    spoof = f"tcp://127.0.0.5:0;127.0.0.1:{port}"
+    async with (
+        rig(settings, (POD_A, POD_B)) as r,
+        KvEventPublisher(own, connect=True, topic=f"kv@{POD_A}@m") as a,
+        KvEventPublisher(spoof, connect=True, topic=f"kv@{POD_A}@m") as liar,
+    ):
+        await joined(r, a, POD_A)
+        await a.publish([stored([1, 2], None, tokens(2))])
+        await eventually(lambda: r.blocks(POD_A) == 2, "the pod's own events indexed")
+        for _ in range(500):  # (the other publisher is a slow joiner too)
+            await liar.publish([stored([7, 8, 9], None, tokens(3, 500)), cleared()])
+            if r.ingest.counters[POD_A].drops["peer_mismatch"]:
+                break
+            await asyncio.sleep(0.01)
+        assert r.ingest.counters[POD_A].drops["peer_mismatch"] >= 1
+        await a.publish([stored([3], 2, tokens(1, 32))])
+        await eventually(lambda: r.blocks(POD_A) == 3, "the pod's own events still indexed")
+        assert held(r, tokens(3)) == 3  # the other publisher's clear removed nothing
+        assert held(r, tokens(3, 500)) == 0  # and its blocks were never stored
+        assert r.ingest.counters[POD_A].gaps == 0  # its sequence numbers were not taken for the pod's
+        assert POD_B not in r.index.pods()
+
+
+async def test_without_verify_peer_any_publisher_speaks_for_the_pod_its_topic_names() -> None:
+    """What `verifyPeer` is for: by default a publisher from another host is believed."""
+    port = free_port()
+    spoof = f"tcp://127.0.0.5:0;127.0.0.1:{port}"
+    async with rig(central(port)) as r, KvEventPublisher(spoof, connect=True, topic=f"kv@{POD_A}@m") as liar:
+        await joined(r, liar, POD_A)
+        await liar.publish([stored([7, 8, 9], None, tokens(3, 500))])
+        await eventually(lambda: r.blocks(POD_A) == 3, "the other host's events indexed for the pod")
+        assert r.ingest.counters[POD_A].drops["peer_mismatch"] == 0

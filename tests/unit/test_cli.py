@@ -120,6 +120,13 @@ def test_bad_kv_bind_flag_is_a_config_error(capsys: pytest.CaptureFixture[str]) 
     assert "bind" in capsys.readouterr().err
 
 
+def test_verify_peer_flag_needs_a_tcp_bind(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["serve", "--endpoints", "127.0.0.1:1", "--kv-events-mode", "central", "--kv-events-verify-peer"]
+    assert main([*args, "--kv-events-bind", "ipc:///tmp/epp-kv"]) == 2
+    err = capsys.readouterr().err
+    assert "verifyPeer" in err and "tcp://" in err
+
+
 def test_check_config_can_skip_loading_tokenizers(capsys: pytest.CaptureFixture[str]) -> None:
     """A deployment's config names tokenizer directories that exist only in the pod."""
     path = ROOT / "deploy" / "base" / "epp-config.yaml"

@@ -465,6 +465,7 @@ def test_the_tokenizer_flag_replaces_the_directory_and_keeps_the_settings(tmp_pa
         "kv_events_port",
         "kv_events_bind",
         "kv_events_replay_port",
+        "kv_events_verify_peer",
         "kv_events_topic",
     ):
         setattr(args, name, None)
