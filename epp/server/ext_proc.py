@@ -6,10 +6,8 @@ destination is returned as a header and as `envoy.lb` dynamic metadata. A BUFFER
 comes without its end filled Envoy's buffer: it is refused with 413, naming that limit. A request with a
 body in `request_body_mode` STREAMED or NONE is refused at its headers (`unsupported_mode`): Envoy routes
 on the headers' answer there, before the EPP has read any body, so the pick could not reach it.
-Response path: the body is echoed (duplex) while usage, the first byte and a stream's error event
-(`UsageReader`) are recorded, and the request's in-flight accounting is released at the end, on error,
-or when the stream goes away. The response is the backend's: bookkeeping never fails it (an unexpected
-error is counted and logged, and the response passed on).
+Response path: `ext_proc_response.ResponseSide` (the body echoed while usage, the first byte and errors
+are recorded; the request released at the end, on error, or when the stream goes away).
 """
 
 from __future__ import annotations
@@ -27,8 +25,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from epp.requests import RequestError
 from epp.scheduling.errors import NoEndpointsError, SchedulingError, SloExceededError
 from epp.server.body_budget import BodyBudget
-from epp.server.decisions import DECISION_HEADER, header_value
 from epp.server.director import Director, ParsedRequest, RoutedRequest
+from epp.server.ext_proc_response import DUPLEX as _DUPLEX
+from epp.server.ext_proc_response import ResponseSide
 from epp.server.ext_proc_wire import (
     MAX_CHUNK,
     REQUEST_ID_HEADER,
@@ -36,10 +35,8 @@ from epp.server.ext_proc_wire import (
     destination_mutation,
     echo,
     error_response,
-    header,
     header_map,
     lb_metadata,
-    served_endpoint,
     subset_hint,
 )
 from epp.usage import UsageReader
@@ -51,7 +48,6 @@ log = logging.getLogger("epp.ext_proc")
 END_GRACE_S = 0.25
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 
-_DUPLEX = 4  # ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = 1
 _BUFFERED_PARTIAL = 3
 # Request body modes in which Envoy passes the request headers on to the router as soon as they are
@@ -89,7 +85,7 @@ class _Pending:
     trailers: bool  # it came with request trailers: answer them after the routing answer
 
 
-class RequestStream:
+class RequestStream(ResponseSide):
     """State machine for one ext_proc stream. `on_message` returns the responses to send."""
 
     def __init__(self, director: Director, max_body_bytes: int, budget: BodyBudget | None = None) -> None:
@@ -351,130 +347,11 @@ class RequestStream:
         return (error_response(status, code, message, retry_after),)
 
     # -- response path ------------------------------------------------------------------
-    def _response_headers(self, msg: pb.ProcessingRequest) -> Iterable[pb.ProcessingResponse]:
-        headers = msg.response_headers
-        self.done = self.done or headers.end_of_stream  # nothing follows: end the stream (see `Process`)
-        routed = self.routed
-        if routed is None:
-            return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
-        try:
-            h = header_map(headers)
-            # A compressed body (content-encoding) is not read: no usage; its first byte is its first token.
-            if h.get("content-encoding", "identity").strip().lower() in ("", "identity"):
-                self.usage = UsageReader("text/event-stream" in h.get("content-type", ""))
-            try:
-                status = int(h.get(":status", "200"))
-            except ValueError:
-                status = 0
-            try:  # (figures go to the endpoint Envoy served; a failure here must not lose the status)
-                self.director.on_served(routed, served_endpoint(msg))
-            except Exception:
-                self.director.bookkeeping_failed("served endpoint")
-            self.director.on_response_status(routed, status)
-            if headers.end_of_stream:
-                self.director.on_first_byte(routed)
-        except Exception:
-            self.director.bookkeeping_failed("response headers")
-        if headers.end_of_stream:
-            self._finish(self._end_cause())
-        if self.director.decision_header:
-            try:
-                value = header_value(routed.decision)
-            except Exception:
-                self.director.bookkeeping_failed("the decision header")
-            else:
-                explain = pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(set_headers=[header(DECISION_HEADER, value)])
-                )
-                return (pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=explain)),)
-        return (pb.ProcessingResponse(response_headers=pb.HeadersResponse()),)
-
-    def _response_body(self, body: pb.HttpBody) -> Iterable[pb.ProcessingResponse]:
-        routed = self.routed
-        self.response_bytes += len(body.body)
-        if routed is not None:
-            usage = self.usage
-            try:
-                if usage is not None:
-                    usage.feed(body.body)
-                    if usage.error is not None and routed.stream_error is None:
-                        # an error event in a 2xx stream: counted now (before this chunk's first token,
-                        # which then calibrates nothing), released as `error` at the end (`_finish`)
-                        self.director.on_stream_error(routed, usage.error)
-            except Exception:
-                self.director.bookkeeping_failed("the response body")
-            try:
-                # A successful SSE stream's first token is its first event with output
-                # (`UsageReader.first_token`), not a keep-alive comment or a Responses API
-                # `response.created`; any other response's is its first byte.
-                status = routed.status
-                tokens = usage is not None and usage.sse and status is not None and 200 <= status < 300
-                first = not tokens or (usage is not None and usage.first_token)
-                if routed.first_byte_at is None and first:
-                    self.director.on_first_byte(routed)
-            except Exception:
-                self.director.bookkeeping_failed("the response body")
-            if body.end_of_stream:
-                self._finish(self._end_cause())
-        self.done = self.done or body.end_of_stream  # no trailers follow a body's end: end the stream
-        if self.response_mode == _DUPLEX:
-            return (echo(body.body, body.end_of_stream, True),)
-        return (pb.ProcessingResponse(response_body=pb.BodyResponse()),)
-
-    def _end_cause(self) -> str:
-        """How a response that ended ended: `complete` with a 2xx status, else `error` (`_finish` turns
-        `complete` into `error` when the stream carried an error event)."""
-        status = self.routed.status if self.routed is not None else None
-        return "complete" if status is None or 200 <= status < 300 else "error"
-
-    def _finish(self, cause: str, ended: bool = True) -> None:
-        """Release the routed request with its figures; `ended`: its response's end was seen (its body's
-        size is then known, when Envoy sent the body)."""
-        routed = self.routed
-        if routed is None:
-            return
-        usage, invalid = None, False
-        try:
-            reader = self.usage
-            if reader is not None and cause == "complete":
-                usage = reader.finish()  # (reads the last line too, when no newline ended it)
-                invalid = reader.invalid
-                if reader.error is not None:
-                    self.director.on_stream_error(routed, reader.error)
-        except Exception:
-            self.director.bookkeeping_failed("reading the response's usage")
-        if cause == "complete" and routed.stream_error is not None:
-            cause = "error"  # a 2xx stream that carried an error event; its usage is still recorded
-        try:
-            sent = self.response_bytes if ended and self.response_mode != 0 else None  # (NONE: no body sent)
-            self.director.finish(routed, cause, usage, invalid, sent)
-        except Exception:
-            self.director.bookkeeping_failed("releasing the request")
-            try:  # the in-flight accounting at least (idempotent)
-                self.director.datastore.release(routed.ticket)
-            except Exception:
-                self.director.bookkeeping_failed("releasing the request's ticket")
-
     def close(self) -> None:
         """The stream ended: release whatever is still held (client gone, Envoy reset)."""
         self._drop_body()
         if self.routed is not None:
             self._finish(self._close_cause(), ended=False)
-
-    def _close_cause(self) -> str:
-        """Why a request whose response's end the EPP did not see is released at the stream's end. When
-        the response body mode sends that end (duplex, streamed, buffered) and it did not come:
-        `disconnect`. With response_body_mode NONE the stream's end is the response's end: released by
-        the status when the response headers came, else `unobserved`: Envoy sent nothing of the response
-        (every request under response_header_mode SKIP; under SEND, one whose client left before them).
-
-        How the stream ended cannot tell more: Envoy 1.40 ends every ext_proc stream with a half-close
-        followed at once by a reset, when the request completed and when its client reset it alike, and
-        grpcio's aio server (1.85) shows a reset as the end of the request messages too (then cancels
-        the handler), so a completed request, a client gone and a lost connection look the same here."""
-        if self.response_mode != 0:
-            return "disconnect"
-        return "unobserved" if self.routed is not None and self.routed.status is None else self._end_cause()
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
