@@ -45,20 +45,25 @@ from epp.sources.kv_events import KvEventSubscriber
 from epp.testing.envoy import die_with_parent, free_port
 
 
-def publisher(endpoint: str, form: str, batches: int, go_file: str) -> None:
+def publisher(endpoint: str, form: str, batches: int, go_file: str, topic: str = "") -> None:
+    """Binds `endpoint`, or connects to it when a topic is given (central mode: the topic names the pod)."""
     payloads = make_batches(batches, form, seed=1)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
-    pub.bind(endpoint)
+    if topic:
+        pub.connect(endpoint)
+    else:
+        pub.bind(endpoint)
+    t = topic.encode()
     seq = 0
     empty = msgspec.msgpack.encode([0.0, []])
     while not os.path.exists(go_file):  # probes until the subscriber is listening (slow joiner)
-        pub.send_multipart([b"", seq.to_bytes(8, "big"), empty])
+        pub.send_multipart([t, seq.to_bytes(8, "big"), empty])
         seq += 1
         time.sleep(0.01)
     for p in payloads:
-        pub.send_multipart([b"", seq.to_bytes(8, "big"), p])
+        pub.send_multipart([t, seq.to_bytes(8, "big"), p])
         seq += 1
     Path(go_file + ".sent").touch()
     time.sleep(2.0)
@@ -85,12 +90,21 @@ class DecodeOnly(KvIngest):
 
 
 async def ingest_run(
-    form: str, batches: int, host: str, *, drain: bool = False, decode_only: bool = False
+    form: str,
+    batches: int,
+    host: str,
+    *,
+    drain: bool = False,
+    decode_only: bool = False,
+    central: bool = False,
+    verify_peer: bool = False,
 ) -> tuple[float, float, int]:
     """One run: (block events per CPU second of this process, per wall second, messages lost). `drain`:
     this process receives nothing until the publisher has sent every batch (ZeroMQ's I/O thread queues
     them meanwhile), so that the publisher does not share the core (or its SMT sibling) while the
-    subscriber works: what a subscriber whose engines run elsewhere, as in production, gets from a core."""
+    subscriber works: what a subscriber whose engines run elsewhere, as in production, gets from a core.
+    `central`: the subscriber binds and the publisher connects from `host`, naming the pod in its topic;
+    `verify_peer`: kvEvents.verifyPeer."""
     port = free_port()
     pod = f"{host}:8000"
     clock = MonotonicClock()
@@ -98,14 +112,24 @@ async def ingest_run(
     ds.add_endpoint(pod, "m")
     index = BlockIndex(block_size=16, max_entries=10_000_000)
     ingest = (DecodeOnly if decode_only else KvIngest)(index, FreshnessTracker(), lambda p: "m")
-    sub = KvEventSubscriber(ds, ingest, clock, KvEventsConfig(mode="per-pod", port=port, rcvhwm=1_000_000))
+    if central:
+        settings = KvEventsConfig(
+            mode="central", bind=f"tcp://127.0.0.1:{port}", rcvhwm=1_000_000, verify_peer=verify_peer
+        )
+        endpoint, topic = f"tcp://{host}:0;127.0.0.1:{port}", f"kv@{pod}@m"  # (from the pod's address)
+    else:
+        settings = KvEventsConfig(mode="per-pod", port=port, rcvhwm=1_000_000)
+        endpoint, topic = f"tcp://{host}:{port}", ""
+    sub = KvEventSubscriber(ds, ingest, clock, settings)
     go = Path(tempfile.mkdtemp()) / "go"
     proc = subprocess.Popen(
         [
             sys.executable,
             __file__,
             "--publisher",
-            f"tcp://{host}:{port}",
+            endpoint,
+            "--topic",
+            topic,
             "--form",
             form,
             "--batches",
@@ -155,9 +179,10 @@ def main() -> None:
     ap.add_argument("--publisher")
     ap.add_argument("--form", default="map")
     ap.add_argument("--go-file")
+    ap.add_argument("--topic", default="")
     args = ap.parse_args()
     if args.publisher:
-        publisher(args.publisher, args.form, args.batches, args.go_file)
+        publisher(args.publisher, args.form, args.batches, args.go_file, args.topic)
         return
     print(
         f"KV-event ingestion over ZeroMQ (loopback), {args.batches} batches of {BLOCK_EVENTS_PER_BATCH} "
@@ -194,6 +219,19 @@ def main() -> None:
             f"{'met' if ratio >= 0.5 else 'NOT met'} ({ratio:.1%})"
         )
     print("(the scan made decoding ~2.5x cheaper; the ratio to it measures everything but decoding)")
+    # Central mode (map form, drained): the same stream through one bound SUB, without and with
+    # kvEvents.verifyPeer (frames received as zmq.Frame objects to read their peer address)
+    central: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for verify in (False, True):
+            run = ingest_run("map", args.batches, "127.0.0.4", drain=True, central=True, verify_peer=verify)
+            central[verify].append(asyncio.run(run)[0])
+    plain_c, verified = statistics.median(central[False]), statistics.median(central[True])
+    print(
+        f"central mode, map, drained: ingest {plain_c:12,.0f}/s per core; "
+        f"with verifyPeer {verified:12,.0f}/s "
+        f"(ratio {verified / plain_c:5.1%}; runs {', '.join(f'{r:,.0f}' for r in central[True])})"
+    )
     # LoRA adapters' batches (vLLM 0.18+: the adapter's name as every block's extra key), in-process
     plain = statistics.median(in_process(make_batches(args.batches, "map", seed=1)) for _ in range(3))
     lora = statistics.median(

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -60,6 +60,28 @@ from epp.sources.kv_socket import (
 from epp.sources.kv_topics import FOREIGN, OWN, TOPIC_CACHE, PoolHosts, endpoint_url, is_host_of, parse_topic
 
 log = logging.getLogger("epp.kv_events")
+
+
+def _rest(sock: zmq.Socket[bytes], flags: int) -> tuple[zmq.Frame, list[bytes]]:
+    """A message received without waiting (`flags`), its first frame as a `zmq.Frame` (for its peer
+    address): that frame, and every frame's bytes."""
+    return _with_rest(sock, sock.recv(flags, copy=False))
+
+
+async def _recv_with_peer(
+    sock: zmq.asyncio.Socket, shadow: zmq.Socket[bytes]
+) -> tuple[zmq.Frame, list[bytes]]:
+    """`_rest`, waiting for the message."""
+    return _with_rest(shadow, await sock.recv(copy=False))
+
+
+def _with_rest(sock: zmq.Socket[bytes], first: zmq.Frame) -> tuple[zmq.Frame, list[bytes]]:
+    """The rest of a multipart message is there once its first frame is (ZeroMQ delivers it whole)."""
+    frames = [first.bytes]
+    while sock.getsockopt(zmq.RCVMORE):
+        frames.append(sock.recv())
+    return first, frames
+
 
 UNKNOWN_POD = "unknown"
 _FAIR_SHARE = 64  # messages handled in a row before yielding to the event loop
@@ -213,17 +235,17 @@ class KvEventSubscriber:
         # The same socket without futures: once a message has arrived, what else is queued is drained
         # with plain non-blocking receives (about a third of the cost of awaiting each one).
         shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        recv: Callable[[], Any]
+        recv: Callable[[], Awaitable[Any]]
         drain: Callable[[int], Any]
         handle: Callable[[Any, str | None, int], None]
-        if pod is None and self.settings.verify_peer:  # (frames, not bytes: they carry the peer)
-            recv, drain = partial(sock.recv_multipart, copy=False), partial(shadow.recv_multipart, copy=False)
+        if pod is None and self.settings.verify_peer:  # (the first frame as a zmq.Frame: it has the peer)
+            recv, drain = partial(_recv_with_peer, sock, shadow), partial(_rest, shadow)
             handle = self._handle_frames
         else:
             recv, drain, handle = sock.recv_multipart, shadow.recv_multipart, self.handle
         flush = self.ingest.index.flush
         handled = 0  # since the loop last yielded: awaiting a message already queued does not yield
-        frames = await recv()
+        frames: Any = await recv()
         if pod is not None:
             self._backoff.reset((pod, rank))  # heard from: a later refusal starts from the shortest delay
         while True:
@@ -248,14 +270,14 @@ class KvEventSubscriber:
                 log.exception("kv events: unexpected error flushing the index after %s", pod or "central")
             frames = await recv()
 
-    def _handle_frames(self, frames: list[Any], pod: str | None, rank: int) -> None:
-        """`handle` for a central socket with `verify_peer`: `frames` are `zmq.Frame`s, whose `Peer-Address`
-        is checked against the pod the topic names."""
+    def _handle_frames(self, message: tuple[zmq.Frame, list[bytes]], pod: str | None, rank: int) -> None:
+        """`handle` for a central socket with `verify_peer`: the first frame's `Peer-Address` is checked
+        against the pod the topic names."""
         try:
-            peer = frames[0].get("Peer-Address") if frames else ""
+            peer = str(message[0].get("Peer-Address"))
         except zmq.ZMQError:  # (not a TCP connection)
             peer = ""
-        self.handle([f.bytes for f in frames], pod, rank, str(peer))
+        self.handle(message[1], pod, rank, peer)
 
     def handle(self, frames: list[bytes], pod: str | None, rank: int, peer: str | None = None) -> None:
         """One message from `pod`'s socket (None: the central one, the pod from its topic). `peer`: the

@@ -13,6 +13,7 @@ import pytest
 from epp.config import KvEventsConfig
 from epp.kvindex.freshness import Freshness
 from epp.kvindex.keys import block_keys, root_key
+from epp.sources.kv_events import UNKNOWN_POD
 from epp.testing.envoy import free_port
 from epp.testing.kv_publisher import KvEventPublisher, cleared, removed, stored
 from epp.testing.wait import eventually
@@ -198,6 +199,16 @@ async def test_verify_peer_lets_a_publisher_speak_only_for_the_pod_on_its_own_ho
                 break
             await asyncio.sleep(0.01)
         assert r.ingest.counters[POD_A].drops["peer_mismatch"] >= 1
+        # malformed messages from the pod itself: counted as without verifyPeer, the stream goes on
+        await a.send_raw([f"kv@{POD_A}@m".encode()])
+        await a.send_raw([f"kv@{POD_A}@m".encode(), b"\x00" * 3, b"\x90"])
+        await eventually(
+            lambda: (
+                UNKNOWN_POD in r.ingest.counters and r.ingest.counters[UNKNOWN_POD].drops["frame_count"] == 1
+            ),
+            "one frame",
+        )
+        await eventually(lambda: r.ingest.counters[UNKNOWN_POD].drops["bad_seq"] == 1, "a short seq")
         await a.publish([stored([3], 2, tokens(1, 32))])
         await eventually(lambda: r.blocks(POD_A) == 3, "the pod's own events still indexed")
         assert held(r, tokens(3)) == 3  # the other publisher's clear removed nothing
