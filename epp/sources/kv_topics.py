@@ -11,6 +11,7 @@ publisher connected from (`is_host_of`).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Callable
 from typing import Final
@@ -51,6 +52,7 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return ip
 
 
+@functools.lru_cache(maxsize=4096)  # (pure: asked for every message of a central socket)
 def is_host_of(peer: str, pod: str) -> bool:
     """Whether a connection's peer address (ZeroMQ's `Peer-Address`: IPv4, IPv6, or IPv4-mapped IPv6 on a
     dual-stack socket) is the host of endpoint `pod` (`ip:port`, `[v6]:port`). A pod named by anything
