@@ -52,35 +52,16 @@ from epp.sources.kv_socket import (
     Backoff,
     RateLimitedLog,
     Stream,
+    await_with_peer,
     close_stream,
     open_monitored,
+    recv_with_peer,
     sub_socket,
     watch_session,
 )
 from epp.sources.kv_topics import FOREIGN, OWN, TOPIC_CACHE, PoolHosts, endpoint_url, is_host_of, parse_topic
 
 log = logging.getLogger("epp.kv_events")
-
-
-def _rest(sock: zmq.Socket[bytes], flags: int) -> tuple[zmq.Frame, list[bytes]]:
-    """A message received without waiting (`flags`), its first frame as a `zmq.Frame` (for its peer
-    address): that frame, and every frame's bytes."""
-    return _with_rest(sock, sock.recv(flags, copy=False))
-
-
-async def _recv_with_peer(
-    sock: zmq.asyncio.Socket, shadow: zmq.Socket[bytes]
-) -> tuple[zmq.Frame, list[bytes]]:
-    """`_rest`, waiting for the message."""
-    return _with_rest(shadow, await sock.recv(copy=False))
-
-
-def _with_rest(sock: zmq.Socket[bytes], first: zmq.Frame) -> tuple[zmq.Frame, list[bytes]]:
-    """The rest of a multipart message is there once its first frame is (ZeroMQ delivers it whole)."""
-    frames = [first.bytes]
-    while sock.getsockopt(zmq.RCVMORE):
-        frames.append(sock.recv())
-    return first, frames
 
 
 UNKNOWN_POD = "unknown"
@@ -239,7 +220,7 @@ class KvEventSubscriber:
         drain: Callable[[int], Any]
         handle: Callable[[Any, str | None, int], None]
         if pod is None and self.settings.verify_peer:  # (the first frame as a zmq.Frame: it has the peer)
-            recv, drain = partial(_recv_with_peer, sock, shadow), partial(_rest, shadow)
+            recv, drain = partial(await_with_peer, sock, shadow), partial(recv_with_peer, shadow)
             handle = self._handle_frames
         else:
             recv, drain, handle = sock.recv_multipart, shadow.recv_multipart, self.handle

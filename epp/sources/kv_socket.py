@@ -8,7 +8,8 @@ and nothing more, while any other loss (the peer closed, heartbeats unanswered) 
 `EVENT_CONNECT_RETRIED` (libzmq reconnects by itself). A ZMTP handshake that fails on a protocol error
 (`EVENT_HANDSHAKE_FAILED_PROTOCOL`, e.g. not a ZeroMQ publisher on that port) ends the session the same
 way. `watch_session` follows a per-pod monitor and returns when that happened; the subscriber then
-re-creates the pod's socket after a `Backoff` delay.
+re-creates the pod's socket after a `Backoff` delay. `recv_with_peer` / `await_with_peer` receive a
+message with its first frame as a `zmq.Frame`, whose `Peer-Address` central mode's `verifyPeer` reads.
 """
 
 from __future__ import annotations
@@ -189,3 +190,24 @@ async def watch_session(
         elif event == zmq.EVENT_DISCONNECTED:
             pending = True
             disconnected()
+
+
+def recv_with_peer(sock: zmq.Socket[bytes], flags: int) -> tuple[zmq.Frame, list[bytes]]:
+    """A message received without waiting (`flags`), its first frame as a `zmq.Frame` (for its peer
+    address): that frame, and every frame's bytes."""
+    return _with_rest(sock, sock.recv(flags, copy=False))
+
+
+async def await_with_peer(
+    sock: zmq.asyncio.Socket, shadow: zmq.Socket[bytes]
+) -> tuple[zmq.Frame, list[bytes]]:
+    """`recv_with_peer`, waiting for the message."""
+    return _with_rest(shadow, await sock.recv(copy=False))
+
+
+def _with_rest(sock: zmq.Socket[bytes], first: zmq.Frame) -> tuple[zmq.Frame, list[bytes]]:
+    """The rest of a multipart message is there once its first frame is (ZeroMQ delivers it whole)."""
+    frames = [first.bytes]
+    while sock.getsockopt(zmq.RCVMORE):
+        frames.append(sock.recv())
+    return first, frames
