@@ -63,7 +63,6 @@ from epp.sources.kv_topics import FOREIGN, OWN, TOPIC_CACHE, PoolHosts, endpoint
 
 log = logging.getLogger("epp.kv_events")
 
-
 UNKNOWN_POD = "unknown"
 _FAIR_SHARE = 64  # messages handled in a row before yielding to the event loop
 __all__ = ["MAX_MESSAGE_BYTES", "MAX_SOCKETS", "UNKNOWN_POD", "KvEventSubscriber"]
