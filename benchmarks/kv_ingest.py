@@ -38,6 +38,7 @@ from kv_decode import BLOCK_EVENTS_PER_BATCH, held_after, make_batches, measure
 from epp.clock import MonotonicClock
 from epp.config import KvEventsConfig
 from epp.datastore import Datastore
+from epp.kvindex.compiled import warm_up
 from epp.kvindex.freshness import FreshnessTracker
 from epp.kvindex.index import BlockIndex
 from epp.kvindex.ingest import KvIngest, applied
@@ -184,6 +185,9 @@ def main() -> None:
     if args.publisher:
         publisher(args.publisher, args.form, args.batches, args.go_file, args.topic)
         return
+    # As `epp serve` does before it listens: in a fresh checkout numba would otherwise compile the loops
+    # with the first messages, the subscriber falling seconds behind and the publisher's close cutting it off
+    warm_up()
     print(
         f"KV-event ingestion over ZeroMQ (loopback), {args.batches} batches of {BLOCK_EVENTS_PER_BATCH} "
         f"block events, {os.cpu_count()} cores"
